@@ -1,0 +1,1 @@
+"""Adapters that put the DAS drafter to work: vLLM proposer, engine factory, rollout driver."""

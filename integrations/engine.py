@@ -1,0 +1,122 @@
+"""One place that builds vLLM engines for every speculative method the project compares.
+
+``make_llm`` applies this machine's CPU settings by itself (see :mod:`integrations.cpu_runtime`)
+and builds ``speculative_config`` for ``none``, ``das``, ``ngram`` (vLLM prompt lookup) and
+``suffix`` (vLLM's SuffixDecoding, arctic-inference) from :func:`speculative_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from integrations import cpu_runtime
+
+METHODS = ("none", "das", "ngram", "suffix")
+PROPOSER_CLASS = "integrations.vllm_proposer.DASProposer"
+# Default K (most draft tokens per row and step). ngram: vLLM's usual prompt-lookup setting;
+# suffix: arctic-inference's own default; das: the same budget as suffix, so acceptance compares.
+DEFAULT_NUM_SPEC_TOKENS = {"das": 16, "ngram": 4, "suffix": 16}
+
+
+def speculative_config(method: str, num_speculative_tokens: int | None = None) -> dict[str, Any] | None:
+    """vLLM ``speculative_config`` for ``method`` (None for ``none``).
+
+    Args:
+        method: one of :data:`METHODS`.
+        num_speculative_tokens: K, the most draft tokens per row and step; None takes
+            :data:`DEFAULT_NUM_SPEC_TOKENS`.
+
+    Raises:
+        ValueError: unknown method, or K < 1.
+    """
+    if method not in METHODS:
+        raise ValueError(f"unknown speculative method {method!r}; expected one of {list(METHODS)}")
+    if method == "none":
+        return None
+    k = DEFAULT_NUM_SPEC_TOKENS[method] if num_speculative_tokens is None else int(num_speculative_tokens)
+    if k < 1:
+        raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens!r}")
+    if method == "das":
+        return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
+    if method == "ngram":
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    return {"method": "suffix", "num_speculative_tokens": k}
+
+
+def make_llm(
+    model: str,
+    method: str = "das",
+    *,
+    num_speculative_tokens: int | None = None,
+    das_config: dict[str, Any] | None = None,
+    dtype: str = "bfloat16",
+    max_model_len: int = 2048,
+    seed: int = 0,
+    **llm_kwargs: Any,
+):
+    """Build a ``vllm.LLM`` for ``model`` with the given speculative ``method``.
+
+    Args:
+        model: local Hugging Face model directory.
+        method: ``none`` | ``das`` | ``ngram`` | ``suffix``.
+        num_speculative_tokens: K (see :func:`speculative_config`).
+        das_config: DAS drafter settings (``additional_config['das']``), das only.
+        dtype: model dtype; float32 for token-for-token greedy identity tests.
+        max_model_len: tokens (prompt + output) per request.
+        seed: engine seed.
+        **llm_kwargs: passed to ``vllm.LLM`` (override the defaults here).
+
+    Raises:
+        ValueError: bad method or K; ``das_config`` given for another method.
+        ImportError: ``suffix`` without arctic-inference installed.
+    """
+    spec = speculative_config(method, num_speculative_tokens)
+    if das_config and method != "das":
+        raise ValueError(f"das_config applies to method 'das' only, got method {method!r}")
+    if method == "suffix":
+        try:
+            import arctic_inference  # noqa: F401
+        except ImportError as exc:
+            raise ImportError("method 'suffix' needs arctic-inference (see install.sh)") from exc
+    cpu_runtime.apply_cpu_defaults()
+    from integrations import vllm_fixes
+
+    vllm_fixes.apply()  # before LLM(): the engine core runs in this process on CPU
+    from vllm import LLM
+
+    kwargs: dict[str, Any] = dict(
+        model=model,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        seed=seed,
+        disable_log_stats=False,  # spec-decode counters come from the stats loggers
+        enable_prefix_caching=True,
+    )
+    if cpu_runtime.is_cpu_build():
+        kwargs["enforce_eager"] = True  # torch.compile costs 30-90 s at start on this CPU
+    if spec is not None:
+        kwargs["speculative_config"] = spec
+    if das_config:
+        kwargs["additional_config"] = {"das": dict(das_config)}
+    kwargs.update(llm_kwargs)
+    return LLM(**kwargs)
+
+
+def spec_counters(llm: Any) -> dict[str, float]:
+    """Cumulative speculative-decoding counters of an engine.
+
+    Returns:
+        ``{"drafts": verification steps that carried a draft, "draft_tokens": tokens proposed,
+        "accepted_tokens": draft tokens accepted}``; zeros for ``none``.
+    """
+    names = {
+        "vllm:spec_decode_num_drafts": "drafts",
+        "vllm:spec_decode_num_draft_tokens": "draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
+    }
+    out = dict.fromkeys(names.values(), 0.0)
+    for metric in llm.get_metrics():
+        key = names.get(metric.name)
+        if key is not None:
+            out[key] += float(getattr(metric, "value", 0.0))
+    return out

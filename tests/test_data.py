@@ -1,0 +1,273 @@
+"""Tests for integrations.data: loaders on the shared files and the embedded sets, dispatch, errors,
+chat-template rendering. Real data, no mocks; the shared-file tests skip when ../shared/data is absent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from integrations.data import (
+    CODE_PRELUDE,
+    MATH_INSTRUCTION,
+    Problem,
+    load_embedded,
+    load_leetcode_json,
+    load_problems,
+    load_verl_parquet,
+    render_prompts,
+    shared_data_dir,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+DATA = REPO.parent / "shared" / "data"
+needs_data = pytest.mark.skipif(
+    not (DATA / "dsr_sub.parquet").is_file(),
+    reason=f"shared data directory {DATA} (../shared/data from the repo root) is missing",
+)
+
+
+def _runs_ok(program: str) -> bool:
+    r = subprocess.run([sys.executable, "-c", program], capture_output=True, timeout=60)
+    return r.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def tiny_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from integrations.models import build_tiny_model
+
+    path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+# ---------------------------------------------------------------- shared files
+
+
+@needs_data
+def test_shared_data_dir_default_points_at_shared_data(monkeypatch):
+    monkeypatch.delenv("DAS_DATA_DIR", raising=False)
+    assert shared_data_dir().resolve() == DATA.resolve()
+
+
+@needs_data
+def test_dsr_sub_loads_with_answers_and_instruction():
+    probs = load_verl_parquet(DATA / "dsr_sub.parquet")
+    assert len(probs) == 1209
+    assert len({p.problem_id for p in probs}) == 1209
+    p0 = probs[0]
+    assert p0.problem_id == "deepscaler/0"
+    assert p0.source == "deepscaler" and p0.kind == "math" and p0.tests is None
+    assert p0.answer == "\\frac{3}{7}"
+    assert p0.messages[0]["role"] == "user"
+    assert p0.messages[0]["content"].endswith(" " + MATH_INSTRUCTION)
+    # one row (index 265) has an empty ground truth; it is loaded with answer=None
+    assert [p.problem_id for p in probs if p.answer is None] == ["deepscaler/265"]
+    assert all(p.answer.strip() for p in probs if p.answer is not None)
+    # DSR-sub prompts already carry the instruction: the loader must not add it twice
+    assert all(p.prompt_text.count("\\boxed") == 1 for p in probs)
+
+
+@needs_data
+def test_limit_keeps_the_first_rows():
+    full = load_verl_parquet(DATA / "dsr_sub.parquet")
+    assert load_verl_parquet(DATA / "dsr_sub.parquet", limit=5) == full[:5]
+    assert load_verl_parquet(DATA / "dsr_sub.parquet", limit=0) == []
+    with pytest.raises(ValueError, match="limit"):
+        load_verl_parquet(DATA / "dsr_sub.parquet", limit=-1)
+
+
+@needs_data
+def test_math500_gets_the_boxed_instruction():
+    probs = load_verl_parquet(DATA / "math500.parquet")
+    assert len(probs) == 500
+    assert probs[0].source == "simplerl/math500"
+    assert all(p.prompt_text.endswith(" " + MATH_INSTRUCTION) for p in probs)
+    raw = load_verl_parquet(DATA / "math500.parquet", limit=3, ensure_boxed_instruction=False)
+    assert all("\\boxed" not in p.prompt_text for p in raw)
+    assert probs[0].answer == raw[0].answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
+
+
+@needs_data
+def test_leetcode_loads_and_reference_solutions_pass_their_tests():
+    probs = load_leetcode_json(DATA / "leetcode_train.json")
+    assert len(probs) == 1889
+    p = probs[0]
+    assert p.problem_id == "leetcode/0" and p.kind == "code" and p.source == "leetcode"
+    assert "def check(candidate)" in p.tests and "check(Solution()." in p.tests
+    assert "python" in p.prompt_text.lower() and "class Solution" in p.prompt_text
+    assert p.prelude == CODE_PRELUDE
+    assert all(q.answer and q.tests for q in probs)
+    # reference solutions pass (the tree / linked-list helpers come from the prelude) ...
+    tree = next(q for q in probs if "tree_node(" in q.tests)
+    linked = next(q for q in probs if "list_node(" in q.tests)
+    for q in (p, tree, linked):
+        assert _runs_ok(q.test_program(q.answer)), q.problem_id
+    # ... and a wrong one fails
+    wrong = "class Solution:\n    def twoSum(self, nums, target):\n        return [0, 0]\n"
+    assert not _runs_ok(p.test_program(wrong))
+
+
+def test_leetcode_tests_given_as_python_literal_string(tmp_path):
+    src = "def check(candidate):\n    assert candidate(1) == 2\n\ncheck(Solution().f)"
+    rows = [{"problem": "Add one. Use python.", "solutions": "x", "tests": repr({"functional": src})}]
+    f = tmp_path / "lc.json"
+    f.write_text(json.dumps(rows))
+    (p,) = load_leetcode_json(f)
+    assert p.tests == src
+    assert _runs_ok(p.test_program("class Solution:\n    def f(self, x):\n        return x + 1\n"))
+
+
+def test_leetcode_bad_rows_raise_with_path(tmp_path):
+    f = tmp_path / "bad.json"
+    f.write_text(json.dumps({"problem": "not a list"}))
+    with pytest.raises(ValueError, match="bad.json"):
+        load_leetcode_json(f)
+    f.write_text(json.dumps([{"problem": "p", "tests": "{'inputs': []}"}]))
+    with pytest.raises(ValueError, match="functional"):
+        load_leetcode_json(f)
+    f.write_text("{not json")
+    with pytest.raises(ValueError, match="bad.json"):
+        load_leetcode_json(f)
+
+
+# ---------------------------------------------------------------- embedded sets
+
+
+def test_embedded_math_is_champ_with_answers():
+    probs = load_embedded("math")
+    assert len(probs) == 270
+    assert len({p.problem_id for p in probs}) == 270
+    assert all(p.kind == "math" and p.source == "champ" and p.answer for p in probs)
+    assert all(p.prompt_text.endswith(" " + MATH_INSTRUCTION) for p in probs)
+    assert all("@@" not in p.prompt_text and "@@" not in p.answer for p in probs)
+    assert probs[0].problem_id == "champ/P_Combinatorics_1"
+    assert load_embedded("champ", limit=3) == probs[:3]
+
+
+def test_embedded_code_is_humaneval_with_passing_tests():
+    probs = load_embedded("code")
+    assert len(probs) == 164
+    p = probs[0]
+    assert p.problem_id == "HumanEval/0" and p.kind == "code" and p.source == "humaneval"
+    assert "def has_close_elements" in p.prompt_text
+    assert p.tests.rstrip().endswith("check(has_close_elements)")
+    assert all(q.tests and q.answer for q in probs)
+    assert _runs_ok(p.test_program(p.answer))
+    assert not _runs_ok(p.test_program("def has_close_elements(numbers, threshold):\n    return True\n"))
+
+
+def test_embedded_unknown_kind():
+    with pytest.raises(ValueError, match="'logic'"):
+        load_embedded("logic")
+
+
+def test_math_problem_has_no_test_program():
+    p = load_embedded("math", limit=1)[0]
+    with pytest.raises(ValueError, match="no code tests"):
+        p.test_program("x = 1")
+    with pytest.raises(ValueError, match="kind"):
+        Problem("x", [], None, "poetry")
+
+
+# ---------------------------------------------------------------- dispatch and errors
+
+
+def test_load_problems_embedded_specs():
+    assert [p.problem_id for p in load_problems(None, limit=2)] == ["champ/P_Combinatorics_1", "champ/P_Combinatorics_2"]
+    assert load_problems("champ", limit=2) == load_problems(None, limit=2)
+    assert load_problems("humaneval", limit=1)[0].problem_id == "HumanEval/0"
+
+
+@needs_data
+def test_load_problems_paths_and_short_names(monkeypatch):
+    monkeypatch.setenv("DAS_DATA_DIR", str(DATA))
+    assert load_problems(str(DATA / "dsr_sub.parquet"), limit=2) == load_problems("dsr_sub", limit=2)
+    assert load_problems(DATA / "math500.parquet", limit=1)[0].source == "simplerl/math500"
+    assert load_problems(str(DATA / "leetcode_train.json"), limit=1)[0].kind == "code"
+    assert load_problems("leetcode", limit=1)[0].problem_id == "leetcode/0"
+
+
+def test_missing_paths_raise_file_not_found_naming_the_path(tmp_path, monkeypatch):
+    for name in ("nope.parquet", "nope.json"):
+        missing = tmp_path / name
+        with pytest.raises(FileNotFoundError, match=name):
+            load_problems(str(missing))
+    with pytest.raises(FileNotFoundError, match="nope.parquet"):
+        load_verl_parquet(tmp_path / "nope.parquet")
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        load_leetcode_json(tmp_path / "nope.json")
+    monkeypatch.setenv("DAS_DATA_DIR", str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="DAS_DATA_DIR"):
+        load_problems("math500")
+
+
+def test_unknown_spec_raises_value_error_naming_it(tmp_path):
+    with pytest.raises(ValueError, match="problems.csv"):
+        load_problems(str(tmp_path / "problems.csv"))
+    with pytest.raises(ValueError, match="gsm8k"):
+        load_problems("gsm8k")
+
+
+def test_bad_parquet_raises_value_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "junk.parquet"
+    f.write_text("not parquet")
+    with pytest.raises(ValueError, match="junk.parquet"):
+        load_verl_parquet(f)
+    g = tmp_path / "wrong.parquet"
+    pq.write_table(pa.table({"question": ["1+1"], "answer": ["2"]}), g)
+    with pytest.raises(ValueError, match="missing columns"):
+        load_verl_parquet(g)
+
+
+def test_verl_parquet_without_extra_info_and_code_rows(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    g = tmp_path / "mini.parquet"
+    table = pa.table(
+        {
+            "data_source": ["toy", "toycode"],
+            "prompt": [[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "write f"}]],
+            "ability": ["math", "code"],
+            "reward_model": [{"ground_truth": "2", "style": "rule"}, {"ground_truth": "assert f() == 1", "style": "rule"}],
+        }
+    )
+    pq.write_table(table, g)
+    math, code = load_verl_parquet(g)
+    assert math.problem_id == "toy/0" and math.answer == "2" and math.prompt_text == "1+1? " + MATH_INSTRUCTION
+    assert code.problem_id == "toycode/1" and code.kind == "code" and code.tests == "assert f() == 1"
+    assert code.answer is None and code.prompt_text == "write f"
+
+
+# ---------------------------------------------------------------- rendering
+
+
+def test_render_prompts_uses_the_chat_template(tiny_tokenizer):
+    probs = load_embedded("math", limit=3) + load_embedded("code", limit=1)
+    ids = render_prompts(probs, tiny_tokenizer)
+    assert len(ids) == 4
+    assert all(isinstance(t, int) and 0 <= t < len(tiny_tokenizer) for seq in ids for t in seq)
+    im_start, im_end = tiny_tokenizer.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    for p, seq in zip(probs, ids):
+        text = tiny_tokenizer.decode(seq)
+        assert text == f"<|im_start|>user\n{p.prompt_text}<|im_end|>\n<|im_start|>assistant\n"
+        assert seq[0] == im_start and seq.count(im_end) == 1
+    # raw message lists work too
+    assert render_prompts([probs[0].messages], tiny_tokenizer) == ids[:1]
+
+
+def test_render_prompts_without_chat_template(tiny_tokenizer):
+    import copy
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = None
+    with pytest.raises(ValueError, match="chat template"):
+        render_prompts(load_embedded("math", limit=1), tok)

@@ -1,0 +1,308 @@
+"""DASDrafter: windows, version weighting, live siblings, request trees, argument checks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from das import DASDrafter, problem_id
+from das.suffix_tree import VOCAB_LIMIT
+
+PROMPT = [101, 102, 103]
+
+
+def test_problem_id_is_stable_and_dtype_independent():
+    a = problem_id([1, 2, 3])
+    assert a == problem_id(np.array([1, 2, 3], np.int32)) == problem_id(np.array([1, 2, 3], np.int64))
+    assert a != problem_id([1, 2, 4]) and isinstance(a, str) and len(a) == 32
+    assert problem_id([]) == problem_id(np.array([], np.int32))
+
+
+def test_window_expiry_removes_exactly_the_old_versions():
+    d = DASDrafter(window=3, decay=0.9)
+    pid = problem_id(PROMPT)
+    for v in range(5):
+        d.begin_iteration(v)
+        d.add_rollout(PROMPT, [v, 50 + v, 60 + v])
+    tree = d.problem_tree(pid)
+    # versions 2, 3, 4 remain (window 3)
+    assert tree.num_sequences == 3
+    for v in range(5):
+        assert tree.count([v, 50 + v]) == (0.0 if v < 2 else pytest.approx(0.9 ** -(v - 0)))
+    d.begin_iteration(6)  # keeps versions 4..6
+    assert tree.num_sequences == 1 and tree.count([4, 54]) > 0 and tree.count([3, 53]) == 0
+    d.begin_iteration(7)  # keeps 5..7: nothing left, the problem is dropped
+    assert pid not in d and d.stats()["problems"] == 0
+    # old rollouts are ignored, current ones stored
+    assert d.add_rollout(PROMPT, [1, 2], policy_version=4) is False
+    assert d.add_rollout(PROMPT, [1, 2], policy_version=5) is True
+
+
+def _continuation_after(d, prefix, k=1):
+    d.start_request("probe", PROMPT)
+    d.add_tokens("probe", prefix)
+    out = d.speculate("probe", k).tokens.tolist()
+    d.stop_request("probe")
+    return out
+
+
+@pytest.mark.parametrize("decay, expect", [(1.0, 7), (0.5, 8)])
+def test_down_weighting_changes_the_winner(decay, expect):
+    # version 0: three rollouts continue 5 -> 7; version 2: one rollout continues 5 -> 8.
+    d = DASDrafter(window=4, decay=decay, use_request_tree=False)
+    d.begin_iteration(0)
+    for _ in range(3):
+        d.add_rollout(PROMPT, [4, 5, 7])
+    d.begin_iteration(2)
+    d.add_rollout(PROMPT, [4, 5, 8])
+    # decay 1: 3 vs 1, old wins. decay 0.5: new weighs 0.5**-2 = 4 > 3, new wins.
+    d.begin_iteration(3)  # a probe of version 3 must not change the ratio (it is empty there)
+    assert _continuation_after(d, [4, 5]) == [expect]
+
+
+def test_rescaling_keeps_weights_bounded_and_ratios():
+    d = DASDrafter(window=400, decay=0.5, use_request_tree=False)
+    pid = problem_id(PROMPT)
+    for v in range(0, 300, 3):
+        d.begin_iteration(v)
+        d.add_rollout(PROMPT, [4, 5, 7 if v < 150 else 8])
+    tree = d.problem_tree(pid)
+    assert tree.count([]) < 2.0**42 and tree.count([]) > 0
+    assert d._problems[pid].base > 0  # rescaled (more than once: 2**300 would not fit a float)
+    # the newest rollout weighs 2**3 times the one a step (3 versions) older
+    expect = sum(8.0**-i for i in range(50)) / sum(8.0**-i for i in range(100))
+    assert tree.count([4, 5, 8]) / tree.count([4, 5]) == pytest.approx(expect)
+    d.begin_iteration(300)
+    assert _continuation_after(d, [4, 5]) == [8]
+
+
+def test_siblings_see_each_other_live():
+    d = DASDrafter()
+    d.start_request("a", PROMPT)
+    d.start_request("b", PROMPT)
+    answer = list(range(10, 30))
+    d.add_tokens("a", answer)
+    d.add_tokens("b", answer[:6])
+    dr = d.speculate("b", 8)
+    assert dr.tokens.tolist() == answer[6:12]  # a 6-token match drafts up to 6 (spec factor 1)
+    assert dr.match_len == 6
+    # b's request tree alone cannot know a's tokens
+    d2 = DASDrafter(use_request_tree=True)
+    d2.start_request("b", PROMPT)
+    d2.add_tokens("b", answer[:6])
+    assert d2.speculate("b", 8).tokens.size == 0
+    # siblings are separate sequences: no false n-gram across a's end and b's start
+    tree = d.problem_tree(problem_id(PROMPT))
+    assert tree.num_sequences == 2
+    assert tree.count([answer[-1], PROMPT[0]]) == 0.0
+    # problem-tree sequences are outputs only: a fresh sibling has nothing to match yet
+    d.start_request("c", PROMPT)
+    assert d.speculate("c", 3).tokens.size == 0
+    d.add_tokens("c", answer[:1])
+    assert d.speculate("c", 3).tokens.tolist() == answer[1:2]
+
+
+def test_request_tree_wins_when_it_scores_higher():
+    out = [5, 6, 7, 8, 5, 6]
+    for use_rt in (True, False):
+        d = DASDrafter(use_request_tree=use_rt)
+        for t in (1, 2, 3, 4):  # in the problem's history "5 6" is followed by many tokens
+            d.add_rollout(PROMPT, [9, 5, 6, t])
+        d.start_request("r", PROMPT)
+        d.add_tokens("r", out)
+        dr = d.speculate("r", 4)
+        if use_rt:
+            assert dr.tokens.tolist() == [7, 8] and dr.score == pytest.approx(1.0)
+        else:
+            assert dr.tokens.tolist() == [1] and dr.score == pytest.approx(1 / 6)
+
+
+def test_ties_go_to_the_problem_tree(monkeypatch):
+    from das.suffix_tree import Draft, SuffixTree
+
+    d = DASDrafter()
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [5, 6, 7, 5, 6])
+    ptree = d.problem_tree(problem_id(PROMPT))
+    # both trees hold exactly prompt-tail + output: the same draft and score
+    assert d.speculate("r", 4).tokens.tolist() == [7, 5]
+    ones = np.ones(1, np.float32)
+    monkeypatch.setattr(
+        SuffixTree, "_draft", lambda self, *a, **k: Draft(np.array([1 if self is ptree else 2], np.int32), ones, 1.0, 1)
+    )
+    assert d.speculate("r", 4).tokens.tolist() == [1]
+
+
+def test_stop_request_keeps_the_rollout_and_is_idempotent():
+    d = DASDrafter(window=2)
+    d.begin_iteration(0)
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [1, 2, 3])
+    s = d.stats()
+    assert s["requests"] == 1 and s["request_tree_bytes"] > 0
+    d.stop_request("r")
+    d.stop_request("r")
+    d.stop_request("never")
+    s = d.stats()
+    assert s["requests"] == 0 and s["sequences"] == 1 and s["tokens"] == 3
+    with pytest.raises(KeyError):
+        d.add_tokens("r", [4])
+    with pytest.raises(KeyError):
+        d.speculate("r", 4)
+
+
+def test_live_request_outliving_its_window():
+    d = DASDrafter(window=1)
+    d.begin_iteration(0)
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [1, 2])
+    d.begin_iteration(5)  # r's rollout is out of the window but r is still running
+    d.add_tokens("r", [3, 4])
+    pid = problem_id(PROMPT)
+    assert d.problem_tree(pid).count([3, 4]) > 0
+    d.stop_request("r")  # now it goes
+    assert pid not in d and d.stats()["sequences"] == 0
+
+
+def test_lru_eviction_and_evict_problem():
+    d = DASDrafter(max_problems=2)
+    for p in ([1], [2], [3]):
+        d.add_rollout(p, [7, 8])
+    assert problem_id([1]) not in d and problem_id([2]) in d and problem_id([3]) in d
+    d.start_request("r", [2], problem_id="custom")
+    d.add_tokens("r", [7, 8, 9])
+    assert "custom" in d and d.stats()["problems"] == 2
+    assert d.evict_problem("custom") is True and d.evict_problem("custom") is False
+    d.add_tokens("r", [7, 8])  # still drafts from its request tree
+    assert d.speculate("r", 2).tokens.tolist() == [9, 7]
+    d.stop_request("r")
+
+
+def test_speculate_budget_and_stats():
+    d = DASDrafter()
+    d.add_rollout(PROMPT, list(range(40, 80)))
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", np.arange(40, 50, dtype=np.int32))
+    assert d.speculate("r", 0).tokens.size == 0
+    dr = d.speculate("r", 3)
+    assert dr.tokens.tolist() == [50, 51, 52] and dr.probs.dtype == np.float32
+    s = d.stats()
+    assert s["problems"] == 1 and s["sequences"] == 2 and s["tokens"] == 40 + 10
+    assert s["nodes"] > 0 and s["bytes"] > 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        ({"window": 0}, "window"),
+        ({"window": 2.5}, "window"),
+        ({"decay": 0.0}, "decay"),
+        ({"decay": 1.5}, "decay"),
+        ({"decay": float("nan")}, "decay"),
+        ({"max_depth": 1}, "max_depth"),
+        ({"max_spec_factor": 0}, "max_spec_factor"),
+        ({"max_spec_factor": float("inf")}, "max_spec_factor"),
+        ({"min_token_prob": -0.1}, "min_token_prob"),
+        ({"min_token_prob": 2}, "min_token_prob"),
+        ({"max_problems": 0}, "max_problems"),
+        ({"use_request_tree": "yes"}, "use_request_tree"),
+        ({"window": True}, "window"),
+    ],
+)
+def test_bad_constructor_arguments(kwargs, needle):
+    with pytest.raises(ValueError) as e:
+        DASDrafter(**kwargs)
+    msg = str(e.value)
+    assert needle in msg and repr(next(iter(kwargs.values()))) in msg
+
+
+def test_bad_call_arguments():
+    d = DASDrafter()
+    d.begin_iteration(3)
+    with pytest.raises(ValueError, match="backwards.*2"):
+        d.begin_iteration(2)
+    with pytest.raises(ValueError, match="policy_version"):
+        d.begin_iteration(3.5)
+    d.start_request("r", PROMPT)
+    with pytest.raises(ValueError, match="already live"):
+        d.start_request("r", PROMPT)
+    with pytest.raises(ValueError, match="-4"):
+        d.speculate("r", -4)
+    with pytest.raises(ValueError, match=str(VOCAB_LIMIT + 1)):
+        d.add_tokens("r", [1, VOCAB_LIMIT + 1])
+    with pytest.raises(ValueError, match="-7"):
+        d.start_request("s", [1, -7])
+    assert d.stats()["requests"] == 1
+    with pytest.raises(ValueError, match="-2"):
+        d.add_rollout(PROMPT, [-2])
+    d.add_tokens("r", [1, 2])
+    assert d.stats()["tokens"] == 2
+
+
+def test_no_request_tree_mode_and_many_requests():
+    rng = np.random.default_rng(0)
+    d = DASDrafter(window=2, use_request_tree=False, max_problems=3)
+    for it in range(4):
+        d.begin_iteration(it)
+        for p in range(5):
+            prompt = [p, p + 1]
+            for s in range(4):
+                rid = (it, p, s)
+                d.start_request(rid, prompt)
+                for _ in range(5):
+                    d.add_tokens(rid, rng.integers(0, 20, 7))
+                    dr = d.speculate(rid, 5)
+                    assert dr.tokens.size <= 5
+                d.stop_request(rid)
+    assert d.stats()["problems"] <= 3
+    for prob in d._problems.values():
+        prob.tree.check_invariants()
+
+
+def test_new_problem_is_not_evicted_when_older_ones_are_live():
+    d = DASDrafter(max_problems=1)
+    d.start_request("a", [1])
+    d.start_request("b", [2])  # over the limit, but "a" is live and "b" is the new one
+    assert problem_id([1]) in d and problem_id([2]) in d
+    d.stop_request("a")
+    d.add_rollout([3], [4])  # now the least recently used idle problems go
+    assert problem_id([3]) in d and d.stats()["problems"] == 1 + 1  # "b" is still live
+
+
+def _occ(seq, pat):
+    m = len(pat)
+    return sum(seq[i : i + m] == pat for i in range(len(seq) - m + 1))
+
+
+def test_problem_tree_counts_are_version_weighted_window_of_rollouts():
+    """Brute force: count(p) / count(q) equals the decay-weighted ratio over the kept rollouts."""
+    rng = np.random.default_rng(3)
+    decay, window, D = 0.5, 3, 5
+    d = DASDrafter(window=window, decay=decay, max_depth=D, use_request_tree=False)
+    prompts = [[7, 8, 9, 1, 2, 3, 4], [5, 5]]
+    kept = []  # (prompt index, version, sequence) as the tree should hold it
+    v = 0
+    for step in range(14):
+        v += int(rng.integers(0, 3))
+        d.begin_iteration(v)
+        kept = [k for k in kept if k[1] >= v - window + 1]
+        for _ in range(2):
+            p = int(rng.integers(0, 2))
+            out = rng.integers(0, 3, int(rng.integers(0, 12))).tolist()
+            d.add_rollout(prompts[p], out)
+            kept.append((p, v, out))
+    for p in range(2):
+        tree = d.problem_tree(problem_id(prompts[p]))
+        mine = [(ver, s) for q, ver, s in kept if q == p]
+        if not mine:
+            assert tree is None
+            continue
+        assert tree.num_sequences == len(mine)
+        pats = [[0], [1], [0, 1], [1, 1, 2], [2, 0], [4, 0], [0, 0, 0]]
+        oracle = {tuple(x): sum(decay ** -(ver - v) * _occ(s, x) for ver, s in mine) for x in pats}
+        tot_o = sum(decay ** -(ver - v) * len(s) for ver, s in mine)
+        tot_t = tree.count([])
+        for x in pats:
+            assert tree.count(x) / tot_t == pytest.approx(oracle[tuple(x)] / tot_o, rel=1e-9, abs=1e-15)

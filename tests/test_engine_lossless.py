@@ -1,0 +1,128 @@
+"""On a real vLLM engine, DAS speculation changes nothing about what is sampled.
+
+- Greedy: outputs with the DAS proposer are token-for-token identical to outputs without
+  speculation (float32, so verification of several tokens cannot flip bf16 near-ties).
+- Sampling: per-position next-token frequencies with DAS match those without speculation (a
+  chi-square test), and the same test catches a biased verifier (one that verifies at a wrong
+  temperature), so it is not a test that cannot fail.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from integrations import control  # noqa: E402
+from integrations.engine import make_llm, spec_counters  # noqa: E402
+
+PROMPTS = [[5, 17, 42, 8], [100, 3, 77], [9, 9, 9, 10, 11], [300, 200, 100, 50, 25, 12]]
+
+
+def _generate(llm, prompts, params, seed):
+    from vllm import TokensPrompt
+
+    torch.manual_seed(seed)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [[list(c.token_ids) for c in o.outputs] for o in outs]
+
+
+def test_greedy_outputs_identical_with_das(tiny_model):
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    base = make_llm(tiny_model, "none", dtype="float32", max_model_len=256)
+    expected = _generate(base, PROMPTS, params, 0)
+    del base
+    llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, num_speculative_tokens=8)
+    got = []
+    for version in (1, 2):  # the second iteration drafts from the first one's rollouts
+        control.begin_iteration(llm, version)
+        got.append(_generate(llm, PROMPTS, params, 0))
+    counters = spec_counters(llm)
+    snap = control.snapshot(llm)[0]
+    assert got[0] == expected
+    assert got[1] == expected
+    assert snap["failures"] == 0
+    assert counters["accepted_tokens"] > 0.5 * sum(len(s[0]) for s in expected)  # drafts really were verified
+
+
+def chi_square_differs(a, b, positions=6, alpha=1e-4):
+    """Two-sample chi-square test over the first ``positions`` tokens, pooled over positions.
+
+    Returns (differs, statistic, critical value). Bins with fewer than 10 expected counts are
+    merged into one bin per position. The critical value uses the Wilson-Hilferty approximation
+    of the chi-square quantile (no scipy here).
+    """
+    stat, dof = 0.0, 0
+    for p in range(positions):
+        ta = np.bincount([s[p] for s in a], minlength=65536)
+        tb = np.bincount([s[p] for s in b], minlength=65536)
+        na, nb = ta.sum(), tb.sum()
+        total = ta + tb
+        big = total >= 10
+        rows_a = np.append(ta[big], ta[~big].sum())
+        rows_b = np.append(tb[big], tb[~big].sum())
+        keep = (rows_a + rows_b) > 0
+        rows_a, rows_b = rows_a[keep], rows_b[keep]
+        tot = rows_a + rows_b
+        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
+        stat += float(((rows_a - ea) ** 2 / ea).sum() + ((rows_b - eb) ** 2 / eb).sum())
+        dof += len(tot) - 1
+    z = 3.719  # one-sided normal quantile for alpha = 1e-4
+    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat > crit, stat, crit
+
+
+def _sample_many(llm, params, seed, das):
+    prompts = [PROMPTS[0]]
+    if das:  # a first iteration fills the drafter's window; the second one is measured
+        control.begin_iteration(llm, 1)
+        _generate(llm, prompts, params, seed + 1)
+        control.begin_iteration(llm, 2)
+    before = spec_counters(llm)
+    out = _generate(llm, prompts, params, seed)[0]
+    after = spec_counters(llm)
+    return out, after["accepted_tokens"] - before["accepted_tokens"], after["draft_tokens"] - before["draft_tokens"]
+
+
+@pytest.fixture(scope="module")
+def sampled(peaked_tiny_model):
+    """Samples without speculation, with DAS, and with DAS under a biased verifier."""
+    from vllm import SamplingParams
+    from vllm.v1.sample import rejection_sampler
+
+    params = SamplingParams(n=600, temperature=1.0, max_tokens=8, ignore_eos=True)
+    base = make_llm(peaked_tiny_model, "none", dtype="float32", max_model_len=128)
+    none, _, _ = _sample_many(base, params, 11, das=False)
+    del base
+    llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6)
+    das, accepted, drafted = _sample_many(llm, params, 22, das=True)
+    fixed = rejection_sampler.expand_batch_to_tokens
+
+    def wrong_temperature(x, cu, n, replace_from=0, replace_to=0):
+        out = fixed(x, cu, n, replace_from, replace_to)
+        return out * 0.5 if out.is_floating_point() else out  # verify at half the requested temperature
+
+    rejection_sampler.expand_batch_to_tokens = wrong_temperature
+    try:
+        biased, _, _ = _sample_many(llm, params, 33, das=False)
+    finally:
+        rejection_sampler.expand_batch_to_tokens = fixed
+    return {"none": none, "das": das, "biased": biased, "accepted": accepted, "drafted": drafted}
+
+
+def test_sampling_with_das_matches_no_speculation(sampled):
+    assert sampled["drafted"] > 0 and sampled["accepted"] > 0  # speculation really ran
+    assert sampled["accepted"] < sampled["drafted"]  # and rejections happened too
+    differs, stat, crit = chi_square_differs(sampled["none"], sampled["das"])
+    assert not differs, f"chi2 {stat:.1f} > critical {crit:.1f}: DAS changed the sampled distribution"
+
+
+def test_the_test_catches_a_biased_verifier(sampled):
+    differs, stat, crit = chi_square_differs(sampled["none"], sampled["biased"])
+    assert differs, f"chi2 {stat:.1f} <= critical {crit:.1f}: a verifier at the wrong temperature went unnoticed"

@@ -1,0 +1,147 @@
+"""DASProposer row/request bookkeeping, budgets and failure isolation, with a stand-in model runner.
+
+The runner stand-in has exactly the attributes the proposer reads from vLLM's GPUModelRunner:
+``input_batch.req_ids``, ``input_batch.num_prompt_tokens`` and ``requests[req_id].sampling_params``.
+"""
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from integrations.vllm_proposer import DASProposer, drafter_kwargs
+
+K = 6
+MAX_LEN = 64
+
+
+def make_config(das=None, k=K):
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN),
+        additional_config={"das": das} if das is not None else {},
+    )
+
+
+class Engine:
+    """A toy batch: rows of token ids that the test grows as a real engine would."""
+
+    def __init__(self):
+        self.runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], num_prompt_tokens=np.zeros(8, np.int64)), requests={})
+        self.tokens = np.zeros((8, MAX_LEN), np.int32)
+        self.lens = np.zeros(8, np.int64)
+        self.seqs = {}  # req_id -> list of tokens (prompt + output)
+        self.prompt_len = {}
+
+    def add(self, req_id, prompt, extra=None):
+        self.seqs[req_id] = list(prompt)
+        self.prompt_len[req_id] = len(prompt)
+        self.runner.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
+
+    def finish(self, req_id):
+        del self.runner.requests[req_id]
+        del self.seqs[req_id]
+
+    def layout(self, order):
+        """Place requests on rows in ``order`` (rows move between steps in vLLM)."""
+        self.runner.input_batch.req_ids = list(order)
+        for row, rid in enumerate(order):
+            seq = self.seqs[rid]
+            self.tokens[row, : len(seq)] = seq
+            self.lens[row] = len(seq)
+            self.runner.input_batch.num_prompt_tokens[row] = self.prompt_len[rid]
+
+
+def test_siblings_draft_from_each_other_while_rows_move():
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    prompt = [1, 2, 3]
+    answer = [10, 11, 12, 13, 14, 15, 16, 17]
+    eng.add("a", prompt)
+    eng.add("b", prompt)
+    # Request a generates the whole answer first.
+    eng.seqs["a"] += answer
+    eng.layout(["a", "b"])
+    prop.propose([[answer[-1]], []], eng.lens, eng.tokens)
+    # b is its sibling (same prompt): after its first token it drafts a's continuation,
+    # even though it now sits on row 0.
+    eng.seqs["b"] += answer[:4]
+    eng.layout(["b", "a"])
+    drafts = prop.propose([answer[:4], [answer[-1]]], eng.lens, eng.tokens)
+    assert drafts[0] == answer[4:8]  # match of 4 tokens: a draft of up to 4 (spec factor 1)
+    assert len(drafts[0]) <= K
+
+
+def test_row_in_prefill_gets_no_draft_and_budget_from_extra_args():
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    eng.add("a", [1, 2, 3])
+    eng.seqs["a"] += [4, 5, 6, 7, 8, 9, 4, 5, 6]
+    eng.add("c", [1, 2, 3], extra={"das_max_draft_tokens": 2})
+    eng.seqs["c"] += [4, 5, 6, 7, 8, 9, 4, 5]
+    eng.add("d", [1, 2, 3], extra={"das_max_draft_tokens": 0})
+    eng.seqs["d"] += [4, 5]
+    eng.layout(["a", "c", "d"])
+    drafts = prop.propose([[], [5], [5]], eng.lens, eng.tokens)
+    assert drafts[0] == []  # sampled nothing this step: chunked prefill
+    assert 0 < len(drafts[1]) <= 2
+    assert drafts[2] == []
+
+
+def test_preempted_request_is_reconciled_from_token_ids():
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    eng.add("a", [7, 8])
+    eng.seqs["a"] += [1, 2, 3]
+    eng.layout(["a"])
+    prop.propose([[3]], eng.lens, eng.tokens)
+    # a is preempted for three steps (off the batch, still in runner.requests), then resumes.
+    eng.seqs["a"] += [4, 5, 1, 2]
+    eng.layout(["a"])
+    drafts = prop.propose([[2]], eng.lens, eng.tokens)
+    # Learnt from tokens it never saw in sampled_token_ids: "1 2" was followed by "3 4" (2-token match).
+    assert drafts[0] == [3, 4]
+
+
+def test_finished_requests_free_their_state_but_keep_history():
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    eng.add("a", [1, 2])
+    eng.seqs["a"] += [3, 4, 5, 6, 7, 8, 9, 10]
+    eng.layout(["a"])
+    prop.propose([[10]], eng.lens, eng.tokens)
+    eng.finish("a")
+    eng.add("b", [1, 2])
+    eng.seqs["b"] += [3, 4, 5]
+    eng.layout(["b"])
+    drafts = prop.propose([[5]], eng.lens, eng.tokens)
+    assert "a" not in prop._tokens_seen
+    assert drafts[0] == [6, 7, 8]
+
+
+def test_failure_gives_empty_drafts_and_is_counted(caplog):
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    eng.add("a", [1, 2])
+    eng.layout(["a"])
+
+    def boom(*a, **k):
+        raise RuntimeError("drafter exploded")
+
+    prop.drafter.speculate = boom
+    drafts = prop.propose([[2]], eng.lens, eng.tokens)
+    assert drafts == [[]]
+    assert prop.stats.failures == 1
+    assert "drafter exploded" in caplog.text
+
+
+def test_bad_additional_config_names_the_key():
+    with pytest.raises(ValueError, match="bogus"):
+        drafter_kwargs({"das": {"bogus": 1}})
+    with pytest.raises(ValueError, match="window"):
+        DASProposer(make_config({"window": 0}), runner=Engine().runner)
+
+
+def test_needs_a_model_runner():
+    with pytest.raises(RuntimeError, match="model runner"):
+        DASProposer(make_config())

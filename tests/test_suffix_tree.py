@@ -1,0 +1,357 @@
+"""SuffixTree against a brute-force oracle (counts, continuations, greedy drafts, memory)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree
+
+
+class Oracle:
+    """Stores the weighted sequences; counts every substring occurrence by brute force."""
+
+    def __init__(self, max_depth):
+        self.D = max_depth
+        self.seqs = {}  # id -> [tokens list, weight]
+
+    def add(self, sid, tokens, w):
+        self.seqs[sid] = [list(tokens), w]
+
+    def extend(self, sid, tokens):
+        self.seqs[sid][0].extend(tokens)
+
+    def remove(self, sid):
+        del self.seqs[sid]
+
+    def scale(self, f):
+        for s in self.seqs.values():
+            s[1] *= f
+
+    def raw(self, pat):
+        pat = list(pat)
+        m = len(pat)
+        if m > self.D:
+            return 0
+        n = 0
+        for toks, _ in self.seqs.values():
+            if m == 0:
+                n += len(toks)
+            else:
+                n += sum(toks[i : i + m] == pat for i in range(len(toks) - m + 1))
+        return n
+
+    def count(self, pat):
+        pat = list(pat)
+        m = len(pat)
+        if m > self.D:
+            return 0.0
+        total = 0.0
+        for toks, w in self.seqs.values():
+            occ = len(toks) if m == 0 else sum(toks[i : i + m] == pat for i in range(len(toks) - m + 1))
+            total += w * occ
+        return total
+
+    def substrings(self):
+        out = set()
+        for toks, _ in self.seqs.values():
+            for i in range(len(toks)):
+                for m in range(1, self.D + 1):
+                    if i + m <= len(toks):
+                        out.add(tuple(toks[i : i + m]))
+        return out
+
+    def continuations(self, pat):
+        pat = tuple(pat)
+        if len(pat) >= self.D:
+            return {}
+        nxt = set()
+        m = len(pat)
+        for toks, _ in self.seqs.values():
+            for i in range(len(toks) - m):
+                if tuple(toks[i : i + m]) == pat:
+                    nxt.add(toks[i + m])
+        return {t: self.count(pat + (t,)) for t in nxt}
+
+    def draft(self, context, max_tokens, min_prob=0.1, factor=1.0, min_match=1):
+        """The documented algorithm, spelled out: every match length, greedy walk, re-anchor."""
+        D = self.D
+        tail = list(context)[-(D - 1):] if D > 1 else []
+        best = ([], [], 0.0, 0)
+        if max_tokens == 0:
+            return best
+        for L in range(len(tail), min_match - 1, -1):
+            s = tuple(tail[len(tail) - L :])
+            if self.raw(s) == 0:
+                continue
+            limit = min(max_tokens, int(L * factor + 1e-9))
+            cur, prob, toks, probs = s, 1.0, [], []
+            while len(toks) < limit:
+                if len(cur) >= D:
+                    cur = cur[1:]  # re-anchor on the last D - 1 tokens
+                conts = self.continuations(cur)
+                if not conts:
+                    break
+                t = min(conts, key=lambda x: (-conts[x], x))  # most weighted, ties: smallest token
+                wn, wb = self.count(cur), conts[t]
+                if not wn > 0:
+                    break
+                p = prob * (wb / wn) if wb < wn else prob
+                if p < min_prob:
+                    break
+                prob = p
+                toks.append(t)
+                probs.append(p)
+                cur = cur + (t,)
+            score = 0.0
+            for p in probs:
+                score += p
+            if score > best[2]:
+                best = (toks, probs, score, L)
+        return best
+
+
+def assert_same(tree: SuffixTree, orc: Oracle, vocab: int, extra_patterns=()):
+    subs = orc.substrings()
+    assert tree.num_nodes == len(subs)
+    assert tree.num_tokens == sum(len(t) for t, _ in orc.seqs.values())
+    assert tree.num_sequences == len(orc.seqs)
+    pats = set(subs) | {()} | {tuple(p) for p in extra_patterns}
+    pats |= {(t,) for t in range(vocab + 1)}
+    for p in pats:
+        assert tree.count(p) == orc.count(p), p
+        assert tree.raw_count(p) == orc.raw(p), p
+        assert tree.continuations(p) == orc.continuations(p), p
+    tree.check_invariants()
+
+
+def assert_draft(tree: SuffixTree, orc: Oracle, context, **kw):
+    got = tree.draft(context, **kw)
+    toks, probs, score, mlen = orc.draft(
+        context, kw["max_tokens"], kw.get("min_token_prob", 0.1), kw.get("max_spec_factor", 1.0), kw.get("min_match", 1)
+    )
+    assert isinstance(got, Draft)
+    assert got.tokens.dtype == np.int32 and got.probs.dtype == np.float32
+    assert got.tokens.tolist() == toks, (context, kw)
+    np.testing.assert_array_equal(got.probs, np.asarray(probs, np.float32))
+    assert got.score == pytest.approx(score, rel=1e-12, abs=0)
+    assert got.match_len == mlen
+
+
+tokens_st = lambda vocab, n: st.lists(st.integers(0, vocab - 1), max_size=n)
+WEIGHTS = [0.25, 0.5, 1.0, 2.0, 3.0, 4.0]  # dyadic-friendly: sums are exact, so ties are exact
+
+
+@st.composite
+def scenario(draw, min_adds=0):
+    D = draw(st.sampled_from([1, 2, 3, 4, 6] if min_adds == 0 else [2, 3, 4, 6]))
+    vocab = draw(st.sampled_from([2, 3, 10]))
+    first = [("add", draw(st.lists(st.integers(0, vocab - 1), min_size=4, max_size=40)), draw(st.sampled_from(WEIGHTS)))
+             for _ in range(min_adds)]
+    ops = first + draw(
+        st.lists(
+            st.one_of(
+                st.tuples(st.just("add"), tokens_st(vocab, 40), st.sampled_from(WEIGHTS)),
+                st.tuples(st.just("extend"), st.integers(0, 50), tokens_st(vocab, 12)),
+                st.tuples(st.just("remove"), st.integers(0, 50)),
+                st.tuples(st.just("scale"), st.sampled_from([0.5, 2.0, 4.0])),
+            ),
+            max_size=14,
+        )
+    )
+    return D, vocab, ops
+
+
+def run_ops(D, ops):
+    tree, orc = SuffixTree(D), Oracle(D)
+    for op in ops:
+        ids = sorted(orc.seqs)
+        if op[0] == "add":
+            sid = tree.add(np.asarray(op[1], np.int64), weight=op[2])
+            orc.add(sid, op[1], op[2])
+        elif op[0] == "extend" and ids:
+            sid = ids[op[1] % len(ids)]
+            tree.extend(sid, op[2])
+            orc.extend(sid, op[2])
+        elif op[0] == "remove" and ids:
+            sid = ids[op[1] % len(ids)]
+            tree.remove(sid)
+            orc.remove(sid)
+        elif op[0] == "scale":
+            tree.scale(op[1])
+            orc.scale(op[1])
+    return tree, orc
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario())
+def test_counts_match_oracle_and_memory_returns(sc):
+    D, vocab, ops = sc
+    tree, orc = run_ops(D, ops)
+    assert_same(tree, orc, vocab, extra_patterns=[(0,) * (D + 1), (vocab - 1, 0, vocab - 1)])
+    for sid in list(orc.seqs):
+        tree.remove(sid)
+        orc.remove(sid)
+    assert tree.num_nodes == 0 and tree.num_tokens == 0 and tree.num_sequences == 0
+    assert tree.nbytes == SuffixTree(D).nbytes  # back to the initial capacity
+    assert tree.count([]) == 0.0 and tree.continuations([]) == {}
+    tree.check_invariants()
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    scenario(min_adds=2),
+    st.lists(st.tuples(tokens_st(10, 9), st.integers(0, 12) | st.integers(4, 12), st.sampled_from([0.0, 0.1, 0.3, 0.6]),
+                       st.sampled_from([0.5, 1.0, 2.0, 3.0]), st.integers(1, 3)), min_size=1, max_size=6),
+    st.data(),
+)
+def test_draft_matches_oracle(sc, queries, data):
+    D, vocab, ops = sc
+    tree, orc = run_ops(D, ops)
+    seqs = [t for t, _ in orc.seqs.values() if t]
+    for ctx, max_tokens, mp, factor, mm in queries:
+        if seqs and data.draw(st.integers(0, 3)) > 0:  # a context that surely matches: a piece of a stored sequence
+            s = data.draw(st.sampled_from(seqs))
+            j = data.draw(st.integers(1, len(s)))
+            ctx = list(ctx) + s[max(0, j - data.draw(st.integers(1, 2 * D + 2))) : j]
+        ctx = [t % vocab for t in ctx]
+        assert_draft(tree, orc, ctx, max_tokens=max_tokens, min_token_prob=mp, max_spec_factor=factor, min_match=mm)
+
+
+def test_large_vocab_growth_and_hash_promotion_against_oracle():
+    rng = np.random.default_rng(0)
+    D, vocab = 4, 400
+    tree, orc = SuffixTree(D), Oracle(D)
+    ids = []
+    for k in range(12):
+        # a mix of a small hot alphabet (high fan-out, hashed nodes) and a large cold one
+        toks = np.where(rng.random(300) < 0.5, rng.integers(0, 12, 300), rng.integers(0, vocab, 300))
+        sid = tree.add(toks, weight=float(2 ** (k % 3)))
+        orc.add(sid, toks.tolist(), float(2 ** (k % 3)))
+        ids.append(sid)
+    tree.check_invariants()
+    for sid in ids[::2]:
+        tree.remove(sid)
+        orc.remove(sid)
+    tree.check_invariants()
+    sid = tree.add(rng.integers(0, 12, 500).astype(np.int32), 0.5)  # reuses freed rows
+    orc.add(sid, tree.sequence(sid).tolist(), 0.5)
+    subs = list(orc.substrings())
+    for i in rng.choice(len(subs), 300, replace=False):
+        p = subs[i]
+        assert tree.count(p) == orc.count(p)
+        assert tree.continuations(p) == orc.continuations(p)
+    assert tree.num_nodes == len(subs)
+    for _ in range(50):
+        s = orc.seqs[int(rng.choice(list(orc.seqs)))][0]
+        j = int(rng.integers(1, len(s)))
+        assert_draft(tree, orc, s[max(0, j - 6) : j], max_tokens=8, min_token_prob=0.0, max_spec_factor=3.0)
+    tree.check_invariants()
+
+
+def test_draft_reanchors_past_max_depth():
+    tree = SuffixTree(max_depth=3)
+    seq = list(range(1, 21))
+    tree.add(seq)
+    d = tree.draft([1, 2], max_tokens=15, max_spec_factor=10.0)
+    assert d.tokens.tolist() == list(range(3, 18))  # far deeper than max_depth
+    assert d.match_len == 2 and d.score == pytest.approx(15.0)
+    d = tree.draft([1, 2], max_tokens=15)  # spec factor 1: at most match_len tokens
+    assert d.tokens.tolist() == [3, 4]
+
+
+def test_draft_basics_and_stops():
+    tree = SuffixTree(8)
+    assert tree.draft([1, 2], 4) == Draft(tree.draft([], 4).tokens, tree.draft([], 4).probs, 0.0, 0)
+    tree.add([1, 2, 3, 4, 5], weight=3.0)
+    tree.add([1, 2, 9, 9, 9], weight=1.0)
+    d = tree.draft(np.array([7, 1, 2], np.int32), 5, min_token_prob=0.0)
+    assert d.tokens.tolist() == [3, 4] and d.match_len == 2
+    np.testing.assert_allclose(d.probs, [0.75, 0.75])
+    assert tree.draft([1, 2], 5, min_token_prob=0.8).tokens.size == 0
+    assert tree.draft([1, 2], 0).tokens.size == 0
+    assert tree.draft([1, 2], 1).tokens.tolist() == [3]
+    assert tree.draft([1, 2], 5, min_match=3).tokens.size == 0
+    assert tree.draft([1, 2, VOCAB_LIMIT + 5], 5).tokens.size == 0  # out-of-range tokens match nothing
+    assert tree.draft([-1], 5).tokens.size == 0
+
+
+def test_ties_go_to_smallest_token():
+    tree = SuffixTree(4)
+    tree.add([5, 9])
+    tree.add([5, 7])
+    tree.add([5, 8])
+    assert tree.best_continuation([5]) == 7
+    assert tree.draft([5], 3, min_token_prob=0.0).tokens.tolist() == [7]
+    tree.add([5, 9])
+    assert tree.best_continuation([5]) == 9
+
+
+def test_extend_equals_add():
+    rng = np.random.default_rng(1)
+    toks = rng.integers(0, 5, 200)
+    a, b = SuffixTree(5), SuffixTree(5)
+    a.add(toks, 2.0)
+    sid = b.add([], 2.0)
+    for chunk in np.array_split(toks, 37):
+        b.extend(sid, chunk)
+    for p in [(), (1,), (1, 2), (0, 1, 2, 3, 4)]:
+        assert a.count(p) == b.count(p) and a.continuations(p) == b.continuations(p)
+    assert a.num_nodes == b.num_nodes
+    np.testing.assert_array_equal(b.sequence(sid), toks.astype(np.int32))
+    b.check_invariants()
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="max_depth"):
+        SuffixTree(0)
+    t = SuffixTree(4)
+    with pytest.raises(ValueError, match="weight"):
+        t.add([1], weight=0.0)
+    with pytest.raises(ValueError, match="weight"):
+        t.add([1], weight=float("nan"))
+    with pytest.raises(ValueError, match=str(VOCAB_LIMIT)):
+        t.add([1, VOCAB_LIMIT])
+    with pytest.raises(ValueError, match="-3"):
+        t.add([1, -3])
+    with pytest.raises(ValueError, match="integer"):
+        t.add([1.5])
+    with pytest.raises(ValueError, match="1-D"):
+        t.add([[1, 2]])
+    assert t.num_sequences == 0 and t.num_nodes == 0  # nothing stored by failed adds
+    sid = t.add([1, 2])
+    with pytest.raises(ValueError, match="99999999"):
+        t.extend(sid, [3, 99999999])
+    assert t.sequence(sid).tolist() == [1, 2] and t.num_nodes == 3
+    with pytest.raises(KeyError):
+        t.extend(sid + 1, [1])
+    with pytest.raises(KeyError):
+        t.remove(sid + 1)
+    with pytest.raises(ValueError, match="factor"):
+        t.scale(0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        t.draft([1], -1)
+    with pytest.raises(ValueError, match="min_token_prob"):
+        t.draft([1], 2, min_token_prob=1.5)
+    with pytest.raises(ValueError, match="min_match"):
+        t.draft([1], 2, min_match=0)
+    t.remove(sid)
+    with pytest.raises(KeyError):
+        t.remove(sid)
+
+
+def test_scale_keeps_drafts_and_weights():
+    t = SuffixTree(4)
+    a = t.add([1, 2, 3], 2.0)
+    before = t.draft([1, 2], 2)
+    t.scale(1e-3)
+    assert t.weight(a) == pytest.approx(2e-3)
+    assert t.count([1, 2]) == pytest.approx(2e-3)
+    after = t.draft([1, 2], 2)
+    assert after.tokens.tolist() == before.tokens.tolist()
+    t.extend(a, [1, 2, 4])  # extension uses the scaled weight
+    assert t.count([1, 2]) == pytest.approx(4e-3)
+    t.remove(a)
+    assert t.num_nodes == 0 and t.count([]) == 0.0

