@@ -64,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-spec-tokens", type=int, default=None, help="K for every speculative method (default: per method)")
     p.add_argument("--window", type=int, default=16, help="DAS window: policy versions kept")
     p.add_argument("--decay", type=float, default=0.9, help="DAS weight of a rollout one policy version older")
+    p.add_argument("--budget", default="cost", choices=("cost", "fixed"), help="DAS step budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; 'fixed' drafts up to K whenever it can")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -116,7 +117,7 @@ def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: l
     from integrations import control
     from integrations.engine import make_llm
 
-    das_config = {"window": args.window, "decay": args.decay} if method == "das" else None
+    das_config = {"window": args.window, "decay": args.decay, "budget": args.budget} if method == "das" else None
     llm = make_llm(model, method, num_speculative_tokens=args.num_spec_tokens, das_config=das_config, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
     results = []
     try:

@@ -20,6 +20,13 @@ draft), and n > 1 samples share a prompt (each sample is its own request, all in
 Per-request options ride on ``SamplingParams.extra_args``:
 ``das_problem_id`` (str: the problem's id, instead of the hash of the prompt token ids) and
 ``das_max_draft_tokens`` (int: this request's speculation budget per step, 0 = no drafting).
+
+Step budget (``additional_config['das']['budget']``): ``"fixed"`` drafts up to K tokens per row
+whenever the drafter finds a match; ``"cost"`` (default) keeps only the draft tokens whose path
+probability pays for their verification under ``t_step = c_base + c_tok * n_tokens`` (see
+:mod:`scheduler.step_policy`), with the two constants fitted online from the engine's own step
+times (or given as ``c_base``/``c_tok`` seconds) and the drafter's probabilities calibrated online
+against the tokens actually accepted. Until the fit has enough steps it drafts as ``"fixed"``.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import numpy as np
 
 from das.drafter import DASDrafter
 from integrations import vllm_fixes
+from scheduler.step_policy import StepCostFit, select_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +55,8 @@ _INSTANCES: "weakref.WeakSet[DASProposer]" = weakref.WeakSet()
 DRAFTER_KEYS = frozenset(
     ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree")
 )
+BUDGET_KEYS = frozenset(("budget", "c_base", "c_tok"))
+BUDGETS = ("fixed", "cost")
 
 
 @dataclasses.dataclass
@@ -54,6 +64,7 @@ class ProposerStats:
     """Counters of one proposer since it was built (or last reset)."""
 
     steps: int = 0  # propose() calls
+    fitted_steps: int = 0  # steps whose budget came from the fitted cost model
     rows: int = 0  # rows seen, all steps
     drafts: int = 0  # rows that got a non-empty draft
     draft_tokens: int = 0
@@ -64,20 +75,32 @@ class ProposerStats:
         return dataclasses.asdict(self)
 
 
-def drafter_kwargs(additional_config: dict[str, Any] | None) -> dict[str, Any]:
-    """Extract and check the ``das`` section of vLLM's ``additional_config``.
+def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Split and check the ``das`` section of vLLM's ``additional_config``.
+
+    Returns:
+        ``(drafter_kwargs, budget_kwargs)``: :class:`das.drafter.DASDrafter` arguments (checked by
+        it) and the step-budget settings ``budget`` (one of :data:`BUDGETS`), ``c_base`` and
+        ``c_tok`` (seconds, both or neither).
 
     Raises:
-        ValueError: the section is not a dict, or has keys other than :data:`DRAFTER_KEYS`.
-            (Values are checked by :class:`das.drafter.DASDrafter`.)
+        ValueError: the section is not a dict, has unknown keys, or bad budget settings.
     """
     section = (additional_config or {}).get("das", {})
     if not isinstance(section, dict):
         raise ValueError(f"additional_config['das'] must be a dict, got {type(section).__name__}: {section!r}")
-    unknown = sorted(set(section) - DRAFTER_KEYS)
+    unknown = sorted(set(section) - DRAFTER_KEYS - BUDGET_KEYS)
     if unknown:
-        raise ValueError(f"unknown additional_config['das'] keys {unknown}; expected some of {sorted(DRAFTER_KEYS)}")
-    return dict(section)
+        raise ValueError(f"unknown additional_config['das'] keys {unknown}; expected some of {sorted(DRAFTER_KEYS | BUDGET_KEYS)}")
+    budget = {k: section[k] for k in BUDGET_KEYS if k in section}
+    budget.setdefault("budget", "cost")
+    if budget["budget"] not in BUDGETS:
+        raise ValueError(f"additional_config['das']['budget'] must be one of {list(BUDGETS)}, got {budget['budget']!r}")
+    if ("c_base" in budget) != ("c_tok" in budget):
+        raise ValueError("additional_config['das']: give both c_base and c_tok (seconds) or neither")
+    if "c_base" in budget and not (float(budget["c_base"]) > 0 and float(budget["c_tok"]) >= 0):
+        raise ValueError(f"c_base must be > 0 and c_tok >= 0 seconds, got c_base={budget['c_base']!r}, c_tok={budget['c_tok']!r}")
+    return {k: v for k, v in section.items() if k in DRAFTER_KEYS}, budget
 
 
 def _find_model_runner() -> Any | None:
@@ -100,7 +123,7 @@ class DASProposer:
     Args:
         vllm_config: vLLM's ``VllmConfig``; reads ``speculative_config.num_speculative_tokens``
             (K, the most draft tokens per row and step), ``model_config.max_model_len`` and
-            ``additional_config['das']`` (drafter settings, see :func:`drafter_kwargs`).
+            ``additional_config['das']`` (drafter settings, see :func:`das_section`).
 
     Raises:
         ValueError: bad ``additional_config['das']`` (at engine start, never during a step).
@@ -110,7 +133,11 @@ class DASProposer:
     def __init__(self, vllm_config: Any, runner: Any | None = None):
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        self.drafter = DASDrafter(**drafter_kwargs(getattr(vllm_config, "additional_config", None)))
+        drafter_cfg, budget_cfg = das_section(getattr(vllm_config, "additional_config", None))
+        self.drafter = DASDrafter(**drafter_cfg)
+        self.budget = budget_cfg["budget"]
+        self.fixed_costs = (float(budget_cfg["c_base"]), float(budget_cfg["c_tok"])) if "c_base" in budget_cfg else None
+        self.cost_fit = StepCostFit()
         self.runner = runner if runner is not None else _find_model_runner()
         if self.runner is None:
             raise RuntimeError(
@@ -119,6 +146,10 @@ class DASProposer:
             )
         self.stats = ProposerStats()
         self._tokens_seen: dict[str, int] = {}  # request id -> tokens (prompt + output) given to the drafter
+        self._last_draft: dict[str, tuple[int, float]] = {}  # request id -> (draft tokens, sum of their probs) last step
+        self._last_start: float | None = None
+        self._interval_ema: float | None = None  # seconds per clean step, to drop idle gaps from the fit
+        self._accepted = self._predicted = 0.0  # decayed sums for probability calibration
         self._last_error_log = 0.0
         _INSTANCES.add(self)
 
@@ -161,10 +192,14 @@ class DASProposer:
         return drafts
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        now = time.perf_counter()
         batch = self.runner.input_batch
         requests = self.runner.requests
         drafter = self.drafter
-        drafts: list[list[int]] = []
+        rows = len(sampled_token_ids)
+        drafts: list[Any] = [None] * rows
+        clean = rows > 0  # every row decoded last step too: the step time is a fit sample
+        step_tokens = 0  # tokens in the forward pass that just ran
         for row, sampled in enumerate(sampled_token_ids):
             req_id = batch.req_ids[row]
             num_tokens = int(num_tokens_no_spec[row])
@@ -175,28 +210,70 @@ class DASProposer:
                 num_prompt = int(batch.num_prompt_tokens[row])
                 drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=extra.get("das_problem_id"))
                 seen = num_prompt
+                clean = False
+            last_len, last_psum = self._last_draft.pop(req_id, (0, 0.0))
             if num_tokens > seen:  # verified tokens since last step (more after a preemption)
+                if last_len and num_tokens - seen <= last_len + 1:
+                    self._accepted = 0.99 * self._accepted + (num_tokens - seen - 1)
+                    self._predicted = 0.99 * self._predicted + last_psum
                 drafter.add_tokens(req_id, token_ids_cpu[row, seen:num_tokens])
                 seen = num_tokens
             self._tokens_seen[req_id] = seen
+            step_tokens += 1 + last_len
             budget = min(self.k, self.max_model_len - num_tokens - 1, int(extra.get("das_max_draft_tokens", self.k)))
-            if not sampled or budget <= 0:
-                drafts.append([])
+            if not sampled:
+                clean = False
+            elif budget > 0:
+                drafts[row] = drafter.speculate(req_id, budget)
+        self._record_step(now, step_tokens, clean)
+        keep = self._step_budget(drafts)
+        out: list[list[int]] = []
+        for row, draft in enumerate(drafts):
+            n = 0 if draft is None else (len(draft.tokens) if keep is None else int(keep[row]))
+            if n == 0:
+                out.append([])
                 continue
-            draft = drafter.speculate(req_id, budget).tokens
-            if len(draft):
-                self.stats.drafts += 1
-                self.stats.draft_tokens += len(draft)
-            drafts.append(draft.tolist())
+            req_id = batch.req_ids[row]
+            self._last_draft[req_id] = (n, float(draft.probs[:n].sum()))
+            self.stats.drafts += 1
+            self.stats.draft_tokens += n
+            out.append(draft.tokens[:n].tolist())
         if len(self._tokens_seen) > len(requests):
             self._release_finished(requests)
-        return drafts
+        return out
+
+    def _record_step(self, now: float, step_tokens: int, clean: bool) -> None:
+        """Feed the interval since the previous step into the cost fit, unless it is not a pure decode step."""
+        last, self._last_start = self._last_start, now
+        if last is None or not clean:
+            return
+        interval = now - last
+        if self._interval_ema is not None and interval > 4.0 * self._interval_ema:
+            return  # an idle gap between generate() calls, not a step
+        self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
+        self.cost_fit.add(step_tokens, interval)
+
+    def _step_budget(self, drafts: list) -> np.ndarray | None:
+        """Per-row number of draft tokens to keep, or None to keep every draft (fixed budget)."""
+        if self.budget == "fixed":
+            return None
+        if self.fixed_costs is not None:
+            c_base, c_tok = self.fixed_costs
+        elif self.cost_fit.ready:
+            c_base, c_tok = self.cost_fit.c_base, self.cost_fit.c_tok
+        else:
+            return None  # warm-up: draft freely, which also spreads n_tokens for the fit
+        self.stats.fitted_steps += 1
+        calibration = self._accepted / self._predicted if self._predicted > 1.0 else 1.0
+        empty = np.empty(0, np.float32)
+        return select_drafts([empty if d is None else d.probs for d in drafts], c_base, c_tok, calibration)
 
     def _release_finished(self, requests: dict) -> None:
         # A finished request leaves the runner's request table (a preempted one stays); its
         # rollout stays in the problem tree, only the per-request state is freed.
         for req_id in [r for r in self._tokens_seen if r not in requests]:
             del self._tokens_seen[req_id]
+            self._last_draft.pop(req_id, None)
             self.drafter.stop_request(req_id)
 
     # ---- control verbs, reached from the driver through LLM.collective_rpc (see integrations.control)
@@ -207,4 +284,7 @@ class DASProposer:
 
     def snapshot(self) -> dict[str, Any]:
         """Proposer counters plus drafter memory statistics."""
-        return {**self.stats.as_dict(), **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}
+        fit = self.cost_fit
+        cost = {"c_base_s": fit.c_base, "c_tok_s": fit.c_tok, "fit_steps": fit.steps, "fit_ready": fit.ready,
+                "calibration": self._accepted / self._predicted if self._predicted > 1.0 else 1.0}
+        return {**self.stats.as_dict(), **cost, **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}

@@ -38,7 +38,7 @@ def test_greedy_outputs_identical_with_das(tiny_model):
     base = make_llm(tiny_model, "none", dtype="float32", max_model_len=256)
     expected = _generate(base, PROMPTS, params, 0)
     del base
-    llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, num_speculative_tokens=8)
+    llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, num_speculative_tokens=8, das_config={"budget": "fixed"})
     got = []
     for version in (1, 2):  # the second iteration drafts from the first one's rollouts
         control.begin_iteration(llm, version)
@@ -100,7 +100,7 @@ def sampled(peaked_tiny_model):
     base = make_llm(peaked_tiny_model, "none", dtype="float32", max_model_len=128)
     none, _, _ = _sample_many(base, params, 11, das=False)
     del base
-    llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6)
+    llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6, das_config={"budget": "fixed"})
     das, accepted, drafted = _sample_many(llm, params, 22, das=True)
     fixed = rejection_sampler.expand_batch_to_tokens
 
@@ -126,3 +126,19 @@ def test_sampling_with_das_matches_no_speculation(sampled):
 def test_the_test_catches_a_biased_verifier(sampled):
     differs, stat, crit = chi_square_differs(sampled["none"], sampled["biased"])
     assert differs, f"chi2 {stat:.1f} <= critical {crit:.1f}: a verifier at the wrong temperature went unnoticed"
+
+
+def test_requests_with_logprobs_are_still_drafted(tiny_model):
+    """RL frameworks ask for logprobs; vLLM 0.32 still drafts for such requests (checked here)."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=1)
+    llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, num_speculative_tokens=8, das_config={"budget": "fixed"})
+    for version in (1, 2):
+        control.begin_iteration(llm, version)
+        from vllm import TokensPrompt
+
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in PROMPTS], params, use_tqdm=False)
+    assert all(len(c.logprobs) == len(c.token_ids) for o in outs for c in o.outputs)
+    counters = spec_counters(llm)
+    assert counters["draft_tokens"] > 0 and counters["accepted_tokens"] > 0

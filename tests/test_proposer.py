@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from integrations.vllm_proposer import DASProposer, drafter_kwargs
+from integrations.vllm_proposer import DASProposer, das_section
 
 K = 6
 MAX_LEN = 64
@@ -137,7 +137,11 @@ def test_failure_gives_empty_drafts_and_is_counted(caplog):
 
 def test_bad_additional_config_names_the_key():
     with pytest.raises(ValueError, match="bogus"):
-        drafter_kwargs({"das": {"bogus": 1}})
+        das_section({"das": {"bogus": 1}})
+    with pytest.raises(ValueError, match="budget"):
+        das_section({"das": {"budget": "greedy"}})
+    with pytest.raises(ValueError, match="c_tok"):
+        das_section({"das": {"c_base": 0.01}})
     with pytest.raises(ValueError, match="window"):
         DASProposer(make_config({"window": 0}), runner=Engine().runner)
 
@@ -145,3 +149,23 @@ def test_bad_additional_config_names_the_key():
 def test_needs_a_model_runner():
     with pytest.raises(RuntimeError, match="model runner"):
         DASProposer(make_config())
+
+
+def _repetitive_batch(prop_config):
+    eng = Engine()
+    prop = DASProposer(prop_config, runner=eng.runner)
+    for rid in ("a", "b", "c"):
+        eng.add(rid, [1, 2])
+        eng.seqs[rid] += [3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 7, 8, 9, 3, 4]
+    eng.layout(["a", "b", "c"])
+    return prop.propose([[4], [4], [4]], eng.lens, eng.tokens), prop
+
+
+def test_cost_budget_drafts_when_steps_are_fixed_cost_and_not_when_tokens_dominate():
+    cheap_tokens, prop = _repetitive_batch(make_config({"budget": "cost", "c_base": 0.05, "c_tok": 1e-5}))
+    assert all(len(d) == K for d in cheap_tokens)
+    assert prop.stats.fitted_steps == 1
+    costly_tokens, _ = _repetitive_batch(make_config({"budget": "cost", "c_base": 1e-4, "c_tok": 0.01}))
+    assert all(d == [] for d in costly_tokens)
+    fixed, _ = _repetitive_batch(make_config({"budget": "fixed", "c_base": 1e-4, "c_tok": 0.01}))
+    assert all(len(d) == K for d in fixed)

@@ -1,0 +1,57 @@
+"""Per-step draft selection under the linear step-cost model, and its online cost fit."""
+
+import numpy as np
+import pytest
+
+from scheduler.step_policy import StepCostFit, select_drafts
+
+
+def brute_force_best(path_probs, c_base, c_tok):
+    """Try every per-row prefix combination (small cases) and return the best expected rate."""
+    import itertools
+
+    rows = len(path_probs)
+    best = rows / (c_base + c_tok * rows)
+    for keep in itertools.product(*[range(len(p) + 1) for p in path_probs]):
+        gain = rows + sum(float(np.sum(p[:k])) for p, k in zip(path_probs, keep))
+        best = max(best, gain / (c_base + c_tok * (rows + sum(keep))))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_selection_is_optimal_among_all_prefix_choices(seed):
+    rng = np.random.default_rng(seed)
+    probs = [np.sort(rng.uniform(0, 1, rng.integers(0, 4)))[::-1].cumprod() for _ in range(rng.integers(1, 4))]
+    c_base, c_tok = rng.uniform(0.001, 0.05), rng.uniform(0.0001, 0.01)
+    keep = select_drafts(probs, c_base, c_tok)
+    rows = len(probs)
+    rate = (rows + sum(float(np.sum(p[:k])) for p, k in zip(probs, keep))) / (c_base + c_tok * (rows + keep.sum()))
+    assert rate == pytest.approx(brute_force_best(probs, c_base, c_tok))
+
+
+def test_large_batches_draft_less_than_small_ones():
+    probs = np.array([0.9, 0.7, 0.5, 0.3])
+    small = select_drafts([probs] * 2, c_base=0.02, c_tok=0.0005)
+    large = select_drafts([probs] * 256, c_base=0.02, c_tok=0.0005)
+    assert small.sum() / 2 > large.sum() / 256
+    assert select_drafts([np.empty(0)] * 3, 0.01, 0.001).tolist() == [0, 0, 0]
+
+
+def test_bad_costs_are_named():
+    with pytest.raises(ValueError, match="c_base"):
+        select_drafts([np.ones(1)], 0.0, 0.1)
+    with pytest.raises(ValueError, match="c_tok"):
+        select_drafts([np.ones(1)], 0.1, -1.0)
+
+
+def test_fit_recovers_constants():
+    fit = StepCostFit(min_steps=10)
+    rng = np.random.default_rng(0)
+    for _ in range(9):
+        fit.add(100.0, 0.05)
+    assert not fit.ready
+    for n in rng.integers(10, 500, 200):
+        fit.add(float(n), 0.02 + 0.0003 * n + rng.normal(0, 1e-4))
+    assert fit.ready
+    assert fit.c_base == pytest.approx(0.02, rel=0.05)
+    assert fit.c_tok == pytest.approx(0.0003, rel=0.02)
