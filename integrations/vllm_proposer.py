@@ -21,12 +21,22 @@ Per-request options ride on ``SamplingParams.extra_args``:
 ``das_problem_id`` (str: the problem's id, instead of the hash of the prompt token ids) and
 ``das_max_draft_tokens`` (int: this request's speculation budget per step, 0 = no drafting).
 
-Step budget (``additional_config['das']['budget']``): ``"fixed"`` drafts up to K tokens per row
-whenever the drafter finds a match; ``"cost"`` (default) keeps only the draft tokens whose path
-probability pays for their verification under ``t_step = c_base + c_tok * n_tokens`` (see
-:mod:`scheduler.step_policy`), with the two constants fitted online from the engine's own step
-times (or given as ``c_base``/``c_tok`` seconds) and the drafter's probabilities calibrated online
-against the tokens actually accepted. Until the fit has enough steps it drafts as ``"fixed"``.
+Speculation budget (``additional_config['das']['budget']``), one of :data:`BUDGETS`:
+
+- ``"fixed"``: up to K draft tokens per row whenever the drafter finds a match.
+- ``"cost"`` (default): keep only the draft tokens whose path probability pays for their
+  verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
+  the drafter's probabilities calibrated online against the tokens actually accepted.
+- ``"class"``: DAS's length classes (Long 16, Medium 4, Short 0 draft tokens, capped at K) from
+  :class:`scheduler.predictor.LengthPredictor` (per-problem history + length so far).
+- ``"eq7"``: DAS Eq. 7 budgets from the predicted remaining length, per-request acceptance
+  estimates and the cost model (:class:`scheduler.speculation.SpeculationScheduler`).
+
+The cost model (:class:`scheduler.cost_model.CostModel`) is fitted online from the engine's own
+step times (the interval between consecutive ``propose`` calls over pure decode steps), or fixed
+with ``c_base``/``c_tok`` (seconds). Until it is fitted, ``cost`` and ``eq7`` draft as ``fixed``,
+which also spreads the step sizes the fit needs. The length history behind ``class`` and ``eq7``
+is the lengths of the rollouts this proposer saw finish, added at each ``begin_iteration``.
 """
 
 from __future__ import annotations
@@ -42,7 +52,8 @@ import numpy as np
 
 from das.drafter import DASDrafter
 from integrations import vllm_fixes
-from scheduler.step_policy import StepCostFit, select_drafts
+from scheduler.cost_model import CostModel
+from scheduler.step_policy import select_drafts
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +67,7 @@ DRAFTER_KEYS = frozenset(
     ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree")
 )
 BUDGET_KEYS = frozenset(("budget", "c_base", "c_tok"))
-BUDGETS = ("fixed", "cost")
+BUDGETS = ("fixed", "cost", "class", "eq7")
 
 
 @dataclasses.dataclass
@@ -73,6 +84,22 @@ class ProposerStats:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(slots=True)
+class _Req:
+    """What the proposer tracks per live request (tokens, acceptance evidence, last draft)."""
+
+    problem_id: Any
+    prompt_len: int
+    seen: int  # tokens (prompt + output) given to the drafter
+    max_tokens: int
+    cap: int  # the request's own draft cap per step (das_max_draft_tokens, default K)
+    drafted: int = 0  # draft tokens offered so far
+    accepted: int = 0  # draft tokens accepted so far
+    steps: int = 0  # verification steps so far
+    last_len: int = 0  # draft tokens offered last step
+    last_psum: float = 0.0  # sum of their path probabilities
 
 
 def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -136,8 +163,11 @@ class DASProposer:
         drafter_cfg, budget_cfg = das_section(getattr(vllm_config, "additional_config", None))
         self.drafter = DASDrafter(**drafter_cfg)
         self.budget = budget_cfg["budget"]
-        self.fixed_costs = (float(budget_cfg["c_base"]), float(budget_cfg["c_tok"])) if "c_base" in budget_cfg else None
-        self.cost_fit = StepCostFit()
+        prior = (float(budget_cfg["c_base"]), float(budget_cfg["c_tok"])) if "c_base" in budget_cfg else None
+        # A given (c_base, c_tok) is used as is: a prior no measured step outweighs.
+        self.cost = CostModel(forgetting=0.995, prior=prior, prior_weight=1e12 if prior else 8.0)
+        self.scheduler = None  # SpeculationScheduler, built on the first step (needs max_tokens)
+        self._finished_lengths: dict[str, list[int]] = {}  # problem id -> output lengths, since last iteration
         self.runner = runner if runner is not None else _find_model_runner()
         if self.runner is None:
             raise RuntimeError(
@@ -145,8 +175,7 @@ class DASProposer:
                 "'custom_class'); no runner was found on the call stack"
             )
         self.stats = ProposerStats()
-        self._tokens_seen: dict[str, int] = {}  # request id -> tokens (prompt + output) given to the drafter
-        self._last_draft: dict[str, tuple[int, float]] = {}  # request id -> (draft tokens, sum of their probs) last step
+        self._reqs: dict[str, _Req] = {}  # live request id -> its bookkeeping
         self._last_start: float | None = None
         self._interval_ema: float | None = None  # seconds per clean step, to drop idle gaps from the fit
         self._accepted = self._predicted = 0.0  # decayed sums for probability calibration
@@ -197,53 +226,92 @@ class DASProposer:
         requests = self.runner.requests
         drafter = self.drafter
         rows = len(sampled_token_ids)
-        drafts: list[Any] = [None] * rows
+        reqs: list[_Req | None] = [None] * rows  # rows that may draft this step
+        budgets = np.zeros(rows, np.int64)
         clean = rows > 0  # every row decoded last step too: the step time is a fit sample
-        step_tokens = 0  # tokens in the forward pass that just ran
+        step_tokens = context_tokens = 0  # tokens in the forward pass that just ran, KV tokens it read
         for row, sampled in enumerate(sampled_token_ids):
             req_id = batch.req_ids[row]
             num_tokens = int(num_tokens_no_spec[row])
-            seen = self._tokens_seen.get(req_id)
-            state = requests.get(req_id)
-            extra = (state.sampling_params.extra_args or {}) if state is not None and state.sampling_params else {}
-            if seen is None:
+            req = self._reqs.get(req_id)
+            if req is None:
+                state = requests.get(req_id)
+                params = state.sampling_params if state is not None else None
+                extra = (params.extra_args or {}) if params is not None else {}
                 num_prompt = int(batch.num_prompt_tokens[row])
-                drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=extra.get("das_problem_id"))
-                seen = num_prompt
+                pid = drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=extra.get("das_problem_id"))
+                max_tokens = int(params.max_tokens or self.max_model_len) if params is not None else self.max_model_len
+                cap = int(extra.get("das_max_draft_tokens", self.k))
+                req = self._reqs[req_id] = _Req(pid, num_prompt, num_prompt, min(max_tokens, self.max_model_len), cap)
                 clean = False
-            last_len, last_psum = self._last_draft.pop(req_id, (0, 0.0))
-            if num_tokens > seen:  # verified tokens since last step (more after a preemption)
-                if last_len and num_tokens - seen <= last_len + 1:
-                    self._accepted = 0.99 * self._accepted + (num_tokens - seen - 1)
-                    self._predicted = 0.99 * self._predicted + last_psum
-                drafter.add_tokens(req_id, token_ids_cpu[row, seen:num_tokens])
-                seen = num_tokens
-            self._tokens_seen[req_id] = seen
-            step_tokens += 1 + last_len
-            budget = min(self.k, self.max_model_len - num_tokens - 1, int(extra.get("das_max_draft_tokens", self.k)))
+            if num_tokens > req.seen:  # verified tokens since last step (more after a preemption)
+                gained = num_tokens - req.seen
+                if req.last_len and gained <= req.last_len + 1:
+                    req.accepted += gained - 1
+                    self._accepted = 0.99 * self._accepted + (gained - 1)
+                    self._predicted = 0.99 * self._predicted + req.last_psum
+                drafter.add_tokens(req_id, token_ids_cpu[row, req.seen:num_tokens])
+                req.seen = num_tokens
+            step_tokens += 1 + req.last_len
+            context_tokens += num_tokens
             if not sampled:
                 clean = False
-            elif budget > 0:
-                drafts[row] = drafter.speculate(req_id, budget)
-        self._record_step(now, step_tokens, clean)
+                continue
+            req.steps += 1
+            reqs[row] = req
+            budgets[row] = min(self.k, self.max_model_len - num_tokens - 1)
+        self._record_step(now, step_tokens, context_tokens, clean)
+        budgets = np.minimum(budgets, self._request_caps(reqs))
+        drafts = [None if reqs[row] is None or budgets[row] <= 0 else drafter.speculate(batch.req_ids[row], int(budgets[row])) for row in range(rows)]
         keep = self._step_budget(drafts)
         out: list[list[int]] = []
         for row, draft in enumerate(drafts):
+            req = reqs[row]
             n = 0 if draft is None else (len(draft.tokens) if keep is None else int(keep[row]))
+            if req is not None:
+                req.last_len, req.last_psum = n, (float(draft.probs[:n].sum()) if n else 0.0)
+                req.drafted += n
             if n == 0:
                 out.append([])
                 continue
-            req_id = batch.req_ids[row]
-            self._last_draft[req_id] = (n, float(draft.probs[:n].sum()))
             self.stats.drafts += 1
             self.stats.draft_tokens += n
             out.append(draft.tokens[:n].tolist())
-        if len(self._tokens_seen) > len(requests):
+        if len(self._reqs) > len(requests):
             self._release_finished(requests)
         return out
 
-    def _record_step(self, now: float, step_tokens: int, clean: bool) -> None:
-        """Feed the interval since the previous step into the cost fit, unless it is not a pure decode step."""
+    def _request_caps(self, reqs: list) -> np.ndarray:
+        """Per-row draft caps from the request's own ``das_max_draft_tokens`` and the length policy."""
+        caps = np.full(len(reqs), self.k, np.int64)
+        live = [row for row, r in enumerate(reqs) if r is not None]
+        for row in live:
+            caps[row] = min(caps[row], reqs[row].cap)
+        if self.budget not in ("class", "eq7") or not live:
+            return caps
+        if self.scheduler is None:
+            from scheduler.predictor import LengthPredictor
+            from scheduler.speculation import SpeculationScheduler
+
+            max_tokens = max(reqs[row].max_tokens for row in live)
+            self.scheduler = SpeculationScheduler(self.budget, max_draft=self.k, predictor=LengthPredictor(max_tokens), cost=self.cost)
+            self._flush_lengths()
+        if self.budget == "eq7" and not self.cost.ready:
+            return caps  # warm-up: draft freely while the cost model learns
+        rs = [reqs[row] for row in live]
+        pred = self.scheduler.predictor
+        sched_caps = self.scheduler.caps(
+            pred.index([r.problem_id for r in rs]),
+            np.array([r.seen - r.prompt_len for r in rs], np.float64),
+            np.array([r.drafted for r in rs], np.float64),
+            np.array([r.accepted for r in rs], np.float64),
+            np.array([r.steps for r in rs], np.float64),
+        )
+        caps[live] = np.minimum(caps[live], sched_caps)
+        return caps
+
+    def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool) -> None:
+        """Feed the interval since the previous step into the cost model, unless it is not a pure decode step."""
         last, self._last_start = self._last_start, now
         if last is None or not clean:
             return
@@ -251,40 +319,43 @@ class DASProposer:
         if self._interval_ema is not None and interval > 4.0 * self._interval_ema:
             return  # an idle gap between generate() calls, not a step
         self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
-        self.cost_fit.add(step_tokens, interval)
+        self.cost.observe(step_tokens, interval, context_tokens)
 
     def _step_budget(self, drafts: list) -> np.ndarray | None:
-        """Per-row number of draft tokens to keep, or None to keep every draft (fixed budget)."""
-        if self.budget == "fixed":
-            return None
-        if self.fixed_costs is not None:
-            c_base, c_tok = self.fixed_costs
-        elif self.cost_fit.ready:
-            c_base, c_tok = self.cost_fit.c_base, self.cost_fit.c_tok
-        else:
-            return None  # warm-up: draft freely, which also spreads n_tokens for the fit
+        """Per-row number of draft tokens to keep (``cost`` budget), or None to keep every draft."""
+        if self.budget != "cost" or not self.cost.ready:
+            return None  # other budgets were applied per request; "cost" warms up drafting freely
         self.stats.fitted_steps += 1
         calibration = self._accepted / self._predicted if self._predicted > 1.0 else 1.0
         empty = np.empty(0, np.float32)
-        return select_drafts([empty if d is None else d.probs for d in drafts], c_base, c_tok, calibration)
+        probs = [empty if d is None else d.probs for d in drafts]
+        return select_drafts(probs, max(self.cost.c_base, 1e-6), max(self.cost.c_tok, 0.0), calibration)
 
     def _release_finished(self, requests: dict) -> None:
         # A finished request leaves the runner's request table (a preempted one stays); its
-        # rollout stays in the problem tree, only the per-request state is freed.
-        for req_id in [r for r in self._tokens_seen if r not in requests]:
-            del self._tokens_seen[req_id]
-            self._last_draft.pop(req_id, None)
+        # rollout stays in the problem tree, only the per-request state is freed, and its length
+        # joins the history the length policies learn from.
+        for req_id in [r for r in self._reqs if r not in requests]:
+            req = self._reqs.pop(req_id)
+            self._finished_lengths.setdefault(req.problem_id, []).append(req.seen - req.prompt_len)
             self.drafter.stop_request(req_id)
+
+    def _flush_lengths(self) -> None:
+        if self.scheduler is not None:
+            for pid, lengths in self._finished_lengths.items():
+                self.scheduler.predictor.observe(pid, self.drafter.policy_version, np.minimum(lengths, self.scheduler.predictor.max_tokens))
+            self._finished_lengths.clear()
 
     # ---- control verbs, reached from the driver through LLM.collective_rpc (see integrations.control)
     def begin_iteration(self, policy_version: int) -> None:
-        """Advance the drafter's window to ``policy_version`` (see DASDrafter.begin_iteration)."""
+        """Advance the drafter's window to ``policy_version`` (see DASDrafter.begin_iteration) and
+        add the lengths of the rollouts finished since the last call to the length history."""
         self._release_finished(self.runner.requests)
+        self._flush_lengths()
         self.drafter.begin_iteration(policy_version)
 
     def snapshot(self) -> dict[str, Any]:
         """Proposer counters plus drafter memory statistics."""
-        fit = self.cost_fit
-        cost = {"c_base_s": fit.c_base, "c_tok_s": fit.c_tok, "fit_steps": fit.steps, "fit_ready": fit.ready,
+        cost = {"cost_model": self.cost.coefficients(), "cost_samples": self.cost.n_samples, "budget": self.budget,
                 "calibration": self._accepted / self._predicted if self._predicted > 1.0 else 1.0}
         return {**self.stats.as_dict(), **cost, **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}

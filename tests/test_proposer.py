@@ -36,7 +36,7 @@ class Engine:
     def add(self, req_id, prompt, extra=None):
         self.seqs[req_id] = list(prompt)
         self.prompt_len[req_id] = len(prompt)
-        self.runner.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra))
+        self.runner.requests[req_id] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args=extra, max_tokens=None))
 
     def finish(self, req_id):
         del self.runner.requests[req_id]
@@ -115,7 +115,7 @@ def test_finished_requests_free_their_state_but_keep_history():
     eng.seqs["b"] += [3, 4, 5]
     eng.layout(["b"])
     drafts = prop.propose([[5]], eng.lens, eng.tokens)
-    assert "a" not in prop._tokens_seen
+    assert "a" not in prop._reqs
     assert drafts[0] == [6, 7, 8]
 
 
@@ -169,3 +169,21 @@ def test_cost_budget_drafts_when_steps_are_fixed_cost_and_not_when_tokens_domina
     assert all(d == [] for d in costly_tokens)
     fixed, _ = _repetitive_batch(make_config({"budget": "fixed", "c_base": 1e-4, "c_tok": 0.01}))
     assert all(len(d) == K for d in fixed)
+
+
+def test_length_policies_learn_lengths_from_finished_rollouts():
+    eng = Engine()
+    prop = DASProposer(make_config({"budget": "class"}), runner=eng.runner)
+    prop.begin_iteration(1)
+    eng.add("a", [1, 2], extra={"das_problem_id": "short-problem"})
+    eng.seqs["a"] += [3, 4, 3, 4, 3, 4]
+    eng.layout(["a"])
+    prop.propose([[4]], eng.lens, eng.tokens)
+    eng.finish("a")
+    eng.layout([])
+    prop.propose([], eng.lens, eng.tokens)
+    prop.begin_iteration(2)
+    assert prop.scheduler is not None
+    assert prop.scheduler.predictor.history_lengths("short-problem").tolist() == [6]
+    snap = prop.snapshot()
+    assert snap["budget"] == "class" and snap["failures"] == 0

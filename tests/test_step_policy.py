@@ -1,9 +1,9 @@
-"""Per-step draft selection under the linear step-cost model, and its online cost fit."""
+"""Per-step draft selection under the linear step-cost model."""
 
 import numpy as np
 import pytest
 
-from scheduler.step_policy import StepCostFit, select_drafts
+from scheduler.step_policy import select_drafts
 
 
 def brute_force_best(path_probs, c_base, c_tok):
@@ -43,15 +43,3 @@ def test_bad_costs_are_named():
     with pytest.raises(ValueError, match="c_tok"):
         select_drafts([np.ones(1)], 0.1, -1.0)
 
-
-def test_fit_recovers_constants():
-    fit = StepCostFit(min_steps=10)
-    rng = np.random.default_rng(0)
-    for _ in range(9):
-        fit.add(100.0, 0.05)
-    assert not fit.ready
-    for n in rng.integers(10, 500, 200):
-        fit.add(float(n), 0.02 + 0.0003 * n + rng.normal(0, 1e-4))
-    assert fit.ready
-    assert fit.c_base == pytest.approx(0.02, rel=0.05)
-    assert fit.c_tok == pytest.approx(0.0003, rel=0.02)

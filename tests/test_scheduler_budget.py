@@ -1,0 +1,187 @@
+"""Acceptance model (Eq. 3-4), Eq. 7 / Eq. 9 budgets, step rule, class budgets, the scheduler facade."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from scheduler import (
+    ClassBudget,
+    CostModel,
+    Eq7Budget,
+    LengthPredictor,
+    SpeculationScheduler,
+    estimate_acceptance,
+    forward_passes,
+    optimal_proposals,
+    solve_n_fwd,
+    tokens_per_step,
+)
+from scheduler.budget import step_saves_time
+
+C_BASE, C_TOK = 6.3e-3, 23.8e-6
+
+
+# ---------------------------------------------------------------- Eq. 3-4 per step
+def test_tokens_per_step_is_eq4_at_a_constant_draft_rate():
+    k, a = np.array([0.3, 0.6, 0.9]), np.array([1.5, 1.0, 1.1])
+    assert np.allclose(tokens_per_step(0, k, a), 1.0)
+    prev = np.ones(3)
+    for d in (1, 2, 4, 8, 16, 64):
+        tau = tokens_per_step(d, k, a)
+        assert np.all(tau >= prev) and np.all(tau <= 1 + d) and np.all(tau <= 1 / (1 - k) + 1e-9)
+        # Eq. 4 with p = d * N and N = l / tau passes
+        length = 10_000.0
+        n = length / tau
+        assert np.allclose(forward_passes(length, k, a, d * n), n, rtol=1e-6)
+        prev = tau
+
+
+def test_estimate_acceptance_recovers_a_and_falls_back_to_the_prior():
+    k, a_true, d, steps = 0.6, 0.7, 4.0, 5000.0
+    tau = tokens_per_step(d, k, a_true)
+    kk, aa = estimate_acceptance([d * steps, 0.0], [(tau - 1) * steps, 0.0], [steps, 10.0], k_prior=k, a_prior=1.0)
+    assert aa[0] == pytest.approx(a_true, rel=0.02) and aa[1] == 1.0 and np.all(kk == k)
+    with pytest.raises(ValueError, match="accepted must be <= drafted"):
+        estimate_acceptance([1.0], [2.0], [1.0])
+
+
+# ---------------------------------------------------------------- Eq. 7 / Eq. 9
+def test_eq7_budgets_are_zero_for_requests_ending_before_the_makespan_and_grow_with_length():
+    r = np.array([300.0, 2000.0, 6000.0, 9000.0, 12000.0, 16000.0])
+    k, a = np.full(6, 0.6), np.ones(6)
+    n = solve_n_fwd(r, k, a, C_BASE, C_TOK)
+    p, passes = optimal_proposals(r, k, a, n)
+    assert np.all(p[r <= n] == 0) and np.all(p[r > n] > 0)
+    assert np.all(np.diff(p) >= 0) and p[-1] > p[-2] > 0
+    # the critical requests all finish in n passes (Eq. 4 at p*)
+    live = r > n
+    assert np.allclose(forward_passes(r[live], k[live], a[live], p[live]), n, rtol=1e-6)
+    # Eq. 9 (exact form, c_req = 0): c_base + c_tok * |crit| = c_tok * sum_crit 1 / (a (k - 1 + n / r))
+    lhs = C_BASE + C_TOK * live.sum()
+    rhs = C_TOK * np.sum(1.0 / (a[live] * (k[live] - 1 + n / r[live])))
+    assert rhs == pytest.approx(lhs, rel=1e-3)
+
+
+def test_eq7_paper_form_matches_the_transcribed_equations():
+    r = np.full(3, 16000.0)  # (the paper form's residual jumps where a request leaves the sum)
+    k, a = np.full(3, 0.6), np.full(3, 0.01)
+    n = solve_n_fwd(r, k, a, C_BASE, C_TOK, form="paper")
+    assert 0 < n < r.max()
+    p, _ = optimal_proposals(r, k, a, n, form="paper")
+    live = r > n
+    assert C_TOK * np.sum(k[live] / (a[live] * (1 - k[live] + k[live] * n / r[live]))) == pytest.approx(C_BASE, rel=1e-3)
+    assert np.allclose(p[live], -(r[live] / a[live]) * np.log(1 - k[live] * (1 - n / r[live])))
+
+
+def test_more_expensive_tokens_mean_less_speculation():
+    r = np.linspace(500, 16000, 50)
+    k, a = np.full(50, 0.6), np.ones(50)
+    cheap = solve_n_fwd(r, k, a, C_BASE, C_TOK)
+    dear = solve_n_fwd(r, k, a, C_BASE, 20 * C_TOK)
+    assert cheap < dear <= r.max()
+    assert optimal_proposals(r, k, a, cheap)[0].sum() > optimal_proposals(r, k, a, dear)[0].sum()
+
+
+def test_eq7_budget_caps_units_and_unready_cost_model():
+    b = Eq7Budget(CostModel(), max_draft=8)
+    r = np.array([100.0, 15000.0])
+    assert b.caps(r, np.full(2, 0.6), np.ones(2)).tolist() == [0, 0]  # not fitted: no speculation
+    b = Eq7Budget(CostModel(prior=(C_BASE, C_TOK)), max_draft=8, seed=None)
+    caps = b.caps(r, np.full(2, 0.6), np.ones(2))
+    assert caps.dtype == np.int32 and caps[0] == 0 and 0 < caps[1] <= 8
+    assert b.last_plan.n_fwd < 15000
+    with pytest.raises(ValueError, match="remaining"):
+        b.caps(np.array([-1.0]), np.array([0.5]), np.array([1.0]))
+    with pytest.raises(ValueError, match="shapes"):
+        b.caps(np.array([1.0, 2.0]), np.array([0.5]), np.array([1.0]))
+
+
+def test_per_request_cost_makes_non_critical_requests_draft_at_their_cheapest_rate():
+    cm = CostModel(prior=(C_BASE, C_TOK))
+    b = Eq7Budget(cm, max_draft=16, seed=None)
+    r = np.array([200.0, 16000.0])
+    k, a = np.full(2, 0.6), np.ones(2)
+    assert b.caps(r, k, a)[0] == 0
+    # a request whose own passes cost 20 tokens' worth (a long KV cache) drafts a little
+    caps = b.caps(r, k, a, per_request_cost_s=np.array([20 * C_TOK, 20 * C_TOK]))
+    d = np.arange(17.0)
+    per_tok = (20 * C_TOK + C_TOK * (1 + d)) / tokens_per_step(d, 0.6, 1.0)
+    assert caps[0] == int(np.argmin(per_tok)) > 0
+
+
+def test_step_rule():
+    k, a = np.full(100, 0.05), np.ones(100)
+    d = np.full(100, 16)
+    # 100 rows offering 16 drafts at 5% capacity: verification costs more than it saves
+    assert not step_saves_time(d, k, a, C_BASE, C_TOK)
+    # a lone straggler with a good drafter: drafting pays
+    assert step_saves_time(np.array([16]), np.array([0.6]), np.array([1.0]), C_BASE, C_TOK)
+    assert step_saves_time(np.zeros(3, int), np.full(3, 0.6), np.ones(3), C_BASE, C_TOK)
+
+
+def test_eq7_applies_the_step_rule(monkeypatch):
+    import scheduler.budget as budget
+
+    cm = CostModel(prior=(C_BASE, C_TOK))
+    r, k, a = np.array([100.0, 16000.0]), np.full(2, 0.6), np.ones(2)
+    assert Eq7Budget(cm, seed=None).caps(r, k, a)[1] > 0
+    monkeypatch.setattr(budget, "step_saves_time", lambda *args, **kw: False)
+    plan = Eq7Budget(cm, seed=None).plan(r, k, a)
+    assert plan.step_rule_fired and plan.caps.tolist() == [0, 0] and plan.rate[1] > 0
+    assert Eq7Budget(cm, seed=None, step_rule=False).caps(r, k, a)[1] > 0
+
+
+# ---------------------------------------------------------------- class budgets and facade
+def test_class_budget():
+    cb = ClassBudget(long=12, medium=3, short=0)
+    assert cb.caps([0, 1, 2, 2]).tolist() == [0, 3, 12, 12]
+    gated = ClassBudget(max_running=2)
+    assert gated.caps([2, 2, 2]).tolist() == [0, 0, 0] and gated.caps([2, 1]).tolist() == [16, 4]
+    with pytest.raises(ValueError, match="long"):
+        ClassBudget(long=-1)
+    with pytest.raises(ValueError, match="classes"):
+        cb.caps([3])
+
+
+def test_speculation_scheduler_policies():
+    pred = LengthPredictor(16384, bounds=(2000, 8000))
+    for i in range(10):
+        pred.observe(f"short{i}", 1, [500] * 8)
+        pred.observe(f"long{i}", 1, [15000] * 8)
+    idx = pred.index(["short0", "long0", "short1", "long1"])
+    g = np.zeros(4)
+    zeros = np.zeros(4)
+    assert SpeculationScheduler("none").caps(idx, g, zeros, zeros, zeros).tolist() == [0] * 4
+    assert SpeculationScheduler("unlimited", max_draft=7).caps(idx, g, zeros, zeros, zeros).tolist() == [7] * 4
+    cls = SpeculationScheduler("class", predictor=pred).caps(idx, g, zeros, zeros, zeros)
+    assert cls.tolist() == [0, 16, 0, 16]
+    eq7 = SpeculationScheduler("eq7", predictor=pred, cost=CostModel(prior=(C_BASE, C_TOK)), seed=None)
+    caps = eq7.caps(idx, g, zeros, zeros, zeros)
+    assert caps[0] == caps[2] == 0 and caps[1] > 0 and caps[3] > 0
+    unfitted = SpeculationScheduler("eq7", predictor=pred)
+    assert unfitted.caps(idx, g, zeros, zeros, zeros).tolist() == [0] * 4
+    n = np.arange(1, 100)
+    unfitted.observe_step(n, C_BASE + C_TOK * n)
+    assert unfitted.caps(idx, g, zeros, zeros, zeros)[1] > 0
+    with pytest.raises(ValueError, match="policy"):
+        SpeculationScheduler("fast")
+    with pytest.raises(ValueError, match="LengthPredictor"):
+        SpeculationScheduler("class")
+
+
+def test_static_budgets_per_problem():
+    from scheduler import static_budgets
+
+    pred = LengthPredictor(16384, bounds=(2000, 8000))
+    for i in range(10):
+        pred.observe(f"short{i}", 1, [500] * 8)
+        pred.observe(f"long{i}", 1, [15000] * 8)
+    ids = ["short0", "long0", "unseen"]
+    assert static_budgets(ids, pred, "class").tolist()[:2] == [0, 16]
+    assert static_budgets(ids, pred, "none").tolist() == [0, 0, 0]
+    assert static_budgets(ids, pred, "eq7").tolist() == [0, 0, 0]  # no fitted cost model
+    b = static_budgets(ids, pred, "eq7", cost=CostModel(prior=(C_BASE, C_TOK)), samples_per_problem=16)
+    assert b[0] == 0 and b[1] > 0 and b.dtype == np.int32
+    with pytest.raises(ValueError, match="samples_per_problem"):
+        static_budgets(ids, pred, "eq7", samples_per_problem=0)
