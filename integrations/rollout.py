@@ -28,6 +28,7 @@ from typing import Any
 
 from integrations import cpu_runtime
 from integrations.engine import METHODS, spec_counters
+from integrations.vllm_proposer import BUDGETS
 
 
 @dataclasses.dataclass
@@ -60,11 +61,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=256, help="max output tokens per rollout")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--method", default="das", choices=METHODS, help="the method under test")
-    p.add_argument("--compare", default="none,ngram,suffix", help="comma-separated methods run beside --method ('' for none)")
+    p.add_argument("--compare", default="none,ngram,suffix", help="comma-separated methods run beside --method ('' for none); 'das:<budget>' runs DAS with another --budget")
     p.add_argument("--num-spec-tokens", type=int, default=None, help="K for every speculative method (default: per method)")
     p.add_argument("--window", type=int, default=16, help="DAS window: policy versions kept")
     p.add_argument("--decay", type=float, default=0.9, help="DAS weight of a rollout one policy version older")
-    p.add_argument("--budget", default="cost", choices=("cost", "fixed", "class", "eq7"), help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; 'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_proposer)")
+    p.add_argument("--budget", default="cost", choices=BUDGETS, help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; 'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_proposer)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
@@ -77,9 +78,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
     methods = [args.method] + [m.strip() for m in args.compare.split(",") if m.strip() and m.strip() != args.method]
-    bad = [m for m in methods if m not in METHODS]
+    bad = [m for m in methods if m.split(":")[0] not in METHODS or (":" in m and (not m.startswith("das:") or m[4:] not in BUDGETS))]
     if bad:
-        p.error(f"--compare: unknown methods {bad}; expected some of {list(METHODS)}")
+        p.error(f"--compare: unknown methods {bad}; expected some of {list(METHODS)} or das:<budget> with a budget in {list(BUDGETS)}")
     args.methods = methods
     args.pool = args.pool or args.prompts
     if args.pool < args.prompts:
@@ -109,6 +110,8 @@ def _release_engine(llm: Any) -> None:
 def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None, rollouts: list | None = None) -> list[IterationResult]:
     """Run every iteration of ``schedule`` with one engine of ``method``; returns one result per iteration.
 
+    ``method`` is a speculative method, or ``das:<budget>`` for DAS with a budget other than ``args.budget``.
+
     When ``rollouts`` is a list, every generated rollout is appended to it as a :class:`integrations.trace.Rollout`.
     """
     import torch
@@ -117,7 +120,8 @@ def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: l
     from integrations import control
     from integrations.engine import make_llm
 
-    das_config = {"window": args.window, "decay": args.decay, "budget": args.budget} if method == "das" else None
+    method, _, budget = method.partition(":")
+    das_config = {"window": args.window, "decay": args.decay, "budget": budget or args.budget} if method == "das" else None
     llm = make_llm(model, method, num_speculative_tokens=args.num_spec_tokens, das_config=das_config, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
     results = []
     try:
@@ -169,16 +173,16 @@ def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: l
 
 def format_table(report: dict[str, Any]) -> str:
     """The per-iteration table plus a per-method summary, as fixed-width text."""
-    head = f"{'method':<8} {'iter':>4} {'wall_s':>8} {'tokens':>7} {'tok/s':>7} {'steps':>7} {'acc_len':>7} {'drafted':>8} {'accepted':>8}"
+    head = f"{'method':<10} {'iter':>4} {'wall_s':>8} {'tokens':>7} {'tok/s':>7} {'steps':>7} {'acc_len':>7} {'drafted':>8} {'accepted':>8}"
     lines = [head, "-" * len(head)]
     for name, m in report["methods"].items():
         for r in m["iterations"]:
-            lines.append(f"{name:<8} {r['iteration']:>4} {r['wall_time_s']:>8.2f} {r['tokens']:>7} {r['tokens_per_s']:>7.1f} {r['verification_steps']:>7} {r['acceptance_length']:>7.2f} {r['draft_tokens']:>8} {r['accepted_tokens']:>8}")
-    lines += ["", f"{'method':<8} {'wall_s':>8} {'tok/s':>7} {'acc_len':>7} {'speedup_vs_none':>16}"]
+            lines.append(f"{name:<10} {r['iteration']:>4} {r['wall_time_s']:>8.2f} {r['tokens']:>7} {r['tokens_per_s']:>7.1f} {r['verification_steps']:>7} {r['acceptance_length']:>7.2f} {r['draft_tokens']:>8} {r['accepted_tokens']:>8}")
+    lines += ["", f"{'method':<10} {'wall_s':>8} {'tok/s':>7} {'acc_len':>7} {'speedup_vs_none':>16}"]
     for name, m in report["methods"].items():
         s = m["summary"]
         sp = f"{s['speedup_vs_none']:.2f}x" if s.get("speedup_vs_none") else "-"
-        lines.append(f"{name:<8} {s['wall_time_s']:>8.2f} {s['tokens_per_s']:>7.1f} {s['acceptance_length']:>7.2f} {sp:>16}")
+        lines.append(f"{name:<10} {s['wall_time_s']:>8.2f} {s['tokens_per_s']:>7.1f} {s['acceptance_length']:>7.2f} {sp:>16}")
     return "\n".join(lines)
 
 
@@ -190,7 +194,8 @@ def summarize(iterations: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    cpu_runtime.reexec_with_iomp()
+    if argv is None:  # run as a command: preload Intel OpenMP (re-executes this process once)
+        cpu_runtime.reexec_with_iomp()
     args = parse_args(argv)
     cpu_runtime.apply_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable; set it to see vLLM's logs
