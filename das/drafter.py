@@ -16,10 +16,13 @@ uses only ratios of counts, so this is the same as giving each rollout weight ``
 exponent ``v - base`` would make weights exceed ``2**40``, the tree is rescaled once
 (``SuffixTree.scale(decay ** (v - base))``) and ``base`` moves to ``v``.
 
-Each problem-tree sequence is one rollout's output (the prompt, shared by all of them, is only in
-the per-request trees). Live sibling rollouts (GRPO samples of one prompt) are separate sequences
-of the same tree, updated token by token, so they see each other's tokens as they grow, without
-the false n-grams of concatenating them.
+Each problem-tree sequence is one rollout: the last ``max_depth - 1`` prompt tokens, then its
+output, so the first output tokens can be drafted from how earlier rollouts began. (The whole
+prompt is only in the per-request trees.) Live sibling rollouts (GRPO samples of one prompt) are
+separate sequences of the same tree, updated token by token, so they see each other's tokens as
+they grow, without the false n-grams of concatenating them. A request's context (prompt + output)
+ends with its own sequence in both trees, so drafting anchors on that sequence's suffix loci
+(:meth:`das.suffix_tree.SuffixTree.draft_seq`) without matching the context.
 """
 
 from __future__ import annotations
@@ -31,7 +34,12 @@ from typing import Hashable
 
 import numpy as np
 
+from das import _trie_kernels as K
 from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree, as_tokens, empty_draft
+
+_I32 = np.dtype(np.int32)
+_I64 = np.dtype(np.int64)
+_new_tuple = tuple.__new__
 
 __all__ = ["DASDrafter", "problem_id"]
 
@@ -76,17 +84,16 @@ class _Problem:
 
 
 class _Request:
-    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_seq", "ctx", "n")
+    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_slot", "n")
 
-    def __init__(self, pid, problem, seq, version, tree, tree_seq, ctx, n):
+    def __init__(self, pid, problem, seq, version, tree, tree_slot, n):
         self.pid = pid
         self.problem = problem  # _Problem, or None once evicted
         self.seq = seq  # sequence id in problem.tree
         self.version = version
         self.tree = tree  # per-request SuffixTree or None
-        self.tree_seq = tree_seq
-        self.ctx = ctx  # np.int32 buffer: prompt + output
-        self.n = n  # valid length of ctx
+        self.tree_slot = tree_slot  # the request tree's only sequence (id 0), its slot
+        self.n = n  # tokens (prompt + output) so far
 
 
 class DASDrafter:
@@ -102,14 +109,20 @@ class DASDrafter:
         max_depth: int >= 2, suffix tree depth (longest stored string; drafts match at most
             ``max_depth - 1`` context tokens). Default 24, as vLLM's ``suffix`` method.
         max_spec_factor: float > 0, a draft anchored on a ``m``-token match has at most
-            ``floor(m * max_spec_factor)`` tokens. Default 1.0 (SuffixDecoding's default).
+            ``floor(m * max_spec_factor)`` tokens. Default 2.0 (SuffixDecoding's 1.0 stops drafts
+            that re-anchoring could carry on; see benchmarks/README.md).
         min_token_prob: float in [0, 1], drafts stop before the path probability falls below it.
-            Default 0.1 (SuffixDecoding's default).
+            Default 0.2 (with ``prior`` the probabilities are calibrated, and 0.2 keeps drafted
+            tokens per accepted token below arctic-inference's at its defaults).
         max_problems: int >= 1, problem trees kept; beyond it the least recently used problem
             without live requests is evicted. Default 4096 (a few epochs' worth of distinct prompts
             of a typical RL data set per engine).
         use_request_tree: bool, also draft from a per-request tree of the prompt + own output.
             Default True (as the paper and arctic-inference).
+        prior: float >= 0, added to the denominator of every draft-token probability, in units
+            of one current-version rollout's weight (see SuffixTree.draft): a continuation seen
+            once gets ``1 / (1 + prior)`` instead of certainty. Default 0.3: on the DSR-sub
+            replay, continuations seen once were right 78% of the time (1 / 1.3 = 0.77).
 
     Raises:
         ValueError: an argument of the wrong type or out of range (the message names it).
@@ -120,10 +133,11 @@ class DASDrafter:
         window: int = 16,
         decay: float = 0.9,
         max_depth: int = 24,
-        max_spec_factor: float = 1.0,
-        min_token_prob: float = 0.1,
+        max_spec_factor: float = 2.0,
+        min_token_prob: float = 0.2,
         max_problems: int = 4096,
         use_request_tree: bool = True,
+        prior: float = 0.3,
     ):
         self.window = _int_arg(window, "window", 1)
         self.decay = _float_arg(decay, "decay", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
@@ -138,10 +152,12 @@ class DASDrafter:
         if not isinstance(use_request_tree, (bool, np.bool_)):
             raise ValueError(f"use_request_tree must be a bool, got {use_request_tree!r}")
         self.use_request_tree = bool(use_request_tree)
+        self.prior = _float_arg(prior, "prior", "a finite number >= 0", lambda x: 0.0 <= x < math.inf)
         self._log_inv_decay = -math.log(self.decay)  # >= 0
         self._version = 0
         self._problems: OrderedDict[Hashable, _Problem] = OrderedDict()
         self._requests: dict[Hashable, _Request] = {}
+        self._buf = (np.empty(64, np.int32), np.empty(64, np.float32))
 
     # ------------------------------------------------------------------ iterations
     @property
@@ -260,18 +276,20 @@ class DASDrafter:
         prompt = as_tokens(prompt_ids, "prompt_ids")
         _check_range(prompt, "prompt_ids")
         pid = problem_id if problem_id is not None else _problem_id(prompt)
-        tree = tree_seq = None
+        tree = tree_slot = None
         if self.use_request_tree:
             tree = SuffixTree(self.max_depth)
-            tree_seq = tree.add(prompt)  # validates the tokens
+            tree_slot = tree._seqs[tree.add(prompt)][0]  # validates the tokens
         prob = self._problem(pid)
-        seq = prob.tree.add((), self._weight(prob, self._version))
+        seq = prob.tree.add(self._prompt_tail(prompt), self._weight(prob, self._version))
         prob.by_version.setdefault(self._version, []).append(seq)
         prob.live[req_id] = seq
-        ctx = np.empty(max(2 * prompt.shape[0], 256), np.int32)
-        ctx[: prompt.shape[0]] = prompt
-        self._requests[req_id] = _Request(pid, prob, seq, self._version, tree, tree_seq, ctx, prompt.shape[0])
+        self._requests[req_id] = _Request(pid, prob, seq, self._version, tree, tree_slot, prompt.shape[0])
         return pid
+
+    def _prompt_tail(self, prompt: np.ndarray) -> np.ndarray:
+        k = min(self.max_depth - 1, prompt.shape[0])
+        return prompt[prompt.shape[0] - k :]
 
     def add_tokens(self, req_id: Hashable, tokens) -> None:
         """Append verified output tokens (1-D integer array-like) to a live request.
@@ -283,24 +301,32 @@ class DASDrafter:
         req = self._requests.get(req_id)
         if req is None:
             raise KeyError(f"unknown request {req_id!r}")
-        arr = as_tokens(tokens)
+        if type(tokens) is np.ndarray and tokens.ndim == 1 and (tokens.dtype is _I32 or tokens.dtype is _I64) \
+                and tokens.flags.c_contiguous:
+            arr = tokens
+        else:
+            arr = as_tokens(tokens)
         m = arr.shape[0]
         if m == 0:
             return
         prob = req.problem
-        if req.tree is not None:
-            req.tree.extend(req.tree_seq, arr)  # validates first
-        elif prob is None:
+        pt = prob.tree if prob is not None else None
+        rt = req.tree
+        if pt is None and rt is None:
             _check_range(arr, "tokens")
-        if prob is not None:
-            prob.tree.extend(req.seq, arr)
-        n = req.n + m
-        if n > req.ctx.shape[0]:
-            buf = np.empty(max(n, 2 * req.ctx.shape[0]), np.int32)
-            buf[: req.n] = req.ctx[: req.n]
-            req.ctx = buf
-        req.ctx[req.n : n] = arr
-        req.n = n
+            req.n += m
+            return
+        ps, pw = pt._seqs[req.seq] if pt is not None else (-1, 1.0)
+        rs = req.tree_slot if rt is not None else -1
+        da, db = K.extend2(pt._mem if pt is not None else rt._mem, ps, pw, rt._mem if rt is not None else pt._mem, rs, 1.0, arr)
+        if da < 0:
+            i = -da - 1
+            raise ValueError(f"token {int(arr[i])} at index {i} of tokens is out of range [0, {VOCAB_LIMIT})")
+        if da < m:
+            pt._finish_insert(ps, arr[da:], pw)
+        if db < m:
+            rt._finish_insert(rs, arr[db:], 1.0)
+        req.n += m
 
     def speculate(self, req_id: Hashable, max_tokens: int) -> Draft:
         """Draft up to ``max_tokens`` tokens for a live request.
@@ -321,16 +347,27 @@ class DASDrafter:
             if max_tokens < 0:
                 raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
             return empty_draft()
-        lo = req.n - self.max_depth + 1
-        ctx = req.ctx[lo if lo > 0 else 0 : req.n]
-        best = empty_draft()
-        if req.problem is not None:
-            best = req.problem.tree._draft(ctx, max_tokens, self.min_token_prob, self.max_spec_factor, 1)
-        if req.tree is not None:
-            d = req.tree._draft(ctx, max_tokens, self.min_token_prob, self.max_spec_factor, 1)
-            if d.score > best.score:
-                best = d
-        return best
+        prob = req.problem
+        pt = prob.tree if prob is not None else None
+        rt = req.tree
+        if pt is None:
+            if rt is None:
+                return empty_draft()
+            ps, pprior = -1, 0.0
+        else:
+            ps = pt._seqs[req.seq][0]  # a rebuild (after removals) may have moved it
+            pprior = self.prior * math.exp((self._version - prob.base) * self._log_inv_decay) if self.prior else 0.0
+        buf = self._buf
+        if buf[0].shape[0] < 4 * max_tokens:
+            buf = self._buf = (np.empty(4 * max_tokens, np.int32), np.empty(4 * max_tokens, np.float32))
+        off, k, score, mlen = K.draft2(
+            pt._mem if pt is not None else rt._mem, ps, pprior, rt._mem if rt is not None else pt._mem,
+            req.tree_slot if rt is not None else -1, self.prior, max_tokens, self.min_token_prob, self.max_spec_factor,
+            buf[0], buf[1],
+        )
+        if k == 0:
+            return empty_draft()
+        return _new_tuple(Draft, (buf[0][off : off + k].copy(), buf[1][off : off + k].copy(), score, mlen))
 
     def stop_request(self, req_id: Hashable) -> None:
         """Finish a request: free its request tree; its rollout stays in the problem tree (this
@@ -363,8 +400,8 @@ class DASDrafter:
         """Ingest a finished rollout recorded elsewhere (another worker, a trace).
 
         Args:
-            prompt_ids, output_ids: 1-D integer array-likes; the output becomes one sequence of
-                the problem tree (the prompt only identifies the problem).
+            prompt_ids, output_ids: 1-D integer array-likes; the last ``max_depth - 1`` prompt
+                tokens and the output become one sequence of the problem tree.
             problem_id: default :func:`problem_id` of ``prompt_ids``.
             policy_version: int, default the current version. Rollouts older than the window are
                 ignored.
@@ -384,14 +421,14 @@ class DASDrafter:
             return False
         pid = problem_id if problem_id is not None else _problem_id(prompt)
         prob = self._problem(pid)
-        seq = prob.tree.add(out, self._weight(prob, v))
+        seq = prob.tree.add(np.concatenate([self._prompt_tail(prompt), out]), self._weight(prob, v))
         prob.by_version.setdefault(v, []).append(seq)
         return True
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:
-        """Counters: ``problems``, ``sequences``, ``tokens`` (stored in problem trees), ``nodes``,
-        ``bytes`` (problem trees), ``requests`` (live), ``request_tree_bytes``."""
+        """Counters: ``problems``, ``sequences``, ``tokens`` (stored in problem trees, prompt tails
+        included), ``nodes``, ``bytes`` (problem trees), ``requests`` (live), ``request_tree_bytes``."""
         seqs = toks = nodes = nbytes = 0
         for prob in self._problems.values():
             t = prob.tree
@@ -399,7 +436,7 @@ class DASDrafter:
             toks += t.num_tokens
             nodes += t.num_nodes
             nbytes += t.nbytes
-        rbytes = sum(r.tree.nbytes + r.ctx.nbytes for r in self._requests.values() if r.tree is not None)
+        rbytes = sum(r.tree.nbytes for r in self._requests.values() if r.tree is not None)
         return {
             "problems": len(self._problems),
             "sequences": seqs,

@@ -64,7 +64,7 @@ vllm_fixes.apply()
 _INSTANCES: "weakref.WeakSet[DASProposer]" = weakref.WeakSet()
 
 DRAFTER_KEYS = frozenset(
-    ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree")
+    ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree", "prior")
 )
 BUDGET_KEYS = frozenset(("budget", "c_base", "c_tok"))
 BUDGETS = ("fixed", "cost", "class", "eq7")

@@ -11,6 +11,8 @@ from das import DASDrafter, problem_id
 from das.suffix_tree import VOCAB_LIMIT
 
 PROMPT = [101, 102, 103]
+# SuffixDecoding's drafting rules (spec factor 1, min prob 0.1, no prior): exact draft lengths below
+PLAIN = dict(max_spec_factor=1.0, min_token_prob=0.1, prior=0.0)
 
 
 def test_problem_id_is_stable_and_dtype_independent():
@@ -79,17 +81,19 @@ def test_rescaling_keeps_weights_bounded_and_ratios():
 
 
 def test_siblings_see_each_other_live():
-    d = DASDrafter()
+    d = DASDrafter(**PLAIN)
     d.start_request("a", PROMPT)
     d.start_request("b", PROMPT)
     answer = list(range(10, 30))
     d.add_tokens("a", answer)
     d.add_tokens("b", answer[:6])
     dr = d.speculate("b", 8)
-    assert dr.tokens.tolist() == answer[6:12]  # a 6-token match drafts up to 6 (spec factor 1)
-    assert dr.match_len == 6
+    # problem-tree sequences start with the prompt's tail: prompt + 6 tokens match, 8 drafted
+    assert dr.tokens.tolist() == answer[6:14]
+    assert dr.match_len == 9
+    assert d.speculate("b", 4).tokens.tolist() == answer[6:10]
     # b's request tree alone cannot know a's tokens
-    d2 = DASDrafter(use_request_tree=True)
+    d2 = DASDrafter(use_request_tree=True, **PLAIN)
     d2.start_request("b", PROMPT)
     d2.add_tokens("b", answer[:6])
     assert d2.speculate("b", 8).tokens.size == 0
@@ -97,42 +101,52 @@ def test_siblings_see_each_other_live():
     tree = d.problem_tree(problem_id(PROMPT))
     assert tree.num_sequences == 2
     assert tree.count([answer[-1], PROMPT[0]]) == 0.0
-    # problem-tree sequences are outputs only: a fresh sibling has nothing to match yet
+    # a fresh sibling drafts its first tokens from how the others began (prompt tail + output)
     d.start_request("c", PROMPT)
-    assert d.speculate("c", 3).tokens.size == 0
+    assert d.speculate("c", 8).tokens.tolist() == answer[:3]  # 3-token match (the prompt)
+    d3 = DASDrafter()
+    d3.start_request("c", PROMPT)
+    assert d3.speculate("c", 3).tokens.size == 0  # no history, nothing in the prompt repeats
     d.add_tokens("c", answer[:1])
-    assert d.speculate("c", 3).tokens.tolist() == answer[1:2]
+    assert d.speculate("c", 8).tokens.tolist() == answer[1:5]
 
 
 def test_request_tree_wins_when_it_scores_higher():
     out = [5, 6, 7, 8, 5, 6]
     for use_rt in (True, False):
-        d = DASDrafter(use_request_tree=use_rt)
+        d = DASDrafter(use_request_tree=use_rt, **PLAIN)
         for t in (1, 2, 3, 4):  # in the problem's history "5 6" is followed by many tokens
             d.add_rollout(PROMPT, [9, 5, 6, t])
         d.start_request("r", PROMPT)
         d.add_tokens("r", out)
         dr = d.speculate("r", 4)
         if use_rt:
-            assert dr.tokens.tolist() == [7, 8] and dr.score == pytest.approx(1.0)
+            # "5 6" was followed by "7 8" once; its other occurrence is the context's own end,
+            # which does not count against what follows
+            assert dr.tokens.tolist() == [7, 8] and dr.score == pytest.approx(2.0)
         else:
-            assert dr.tokens.tolist() == [1] and dr.score == pytest.approx(1 / 6)
+            # five continuations of "5 6" (1, 2, 3, 4 and the request's own 7), one each
+            assert dr.tokens.tolist() == [1] and dr.score == pytest.approx(1 / 5)
 
 
-def test_ties_go_to_the_problem_tree(monkeypatch):
-    from das.suffix_tree import Draft, SuffixTree
+def test_ties_go_to_the_problem_tree():
+    from das import _trie_kernels as K
+    from das.suffix_tree import SuffixTree
 
-    d = DASDrafter()
+    d = DASDrafter(**PLAIN)
     d.start_request("r", PROMPT)
     d.add_tokens("r", [5, 6, 7, 5, 6])
-    ptree = d.problem_tree(problem_id(PROMPT))
     # both trees hold exactly prompt-tail + output: the same draft and score
     assert d.speculate("r", 4).tokens.tolist() == [7, 5]
-    ones = np.ones(1, np.float32)
-    monkeypatch.setattr(
-        SuffixTree, "_draft", lambda self, *a, **k: Draft(np.array([1 if self is ptree else 2], np.int32), ones, 1.0, 1)
-    )
-    assert d.speculate("r", 4).tokens.tolist() == [1]
+    # equal scores, different drafts: the first tree (the problem tree's place) wins
+    a, b = SuffixTree(8), SuffixTree(8)
+    a.add([7, 1, 2, 3])
+    b.add([7, 1, 2, 4])
+    sa, sb = a._seqs[a.add([7, 1, 2])][0], b._seqs[b.add([7, 1, 2])][0]
+    out_t, out_p = np.empty(16, np.int32), np.empty(16, np.float32)
+    for (x, sx, tx), (y, sy, ty) in (((a, sa, 3), (b, sb, 4)), ((b, sb, 4), (a, sa, 3))):
+        off, k, score, mlen = K.draft2(x._mem, sx, 0.0, y._mem, sy, 0.0, 4, 0.1, 1.0, out_t, out_p)
+        assert out_t[off : off + k].tolist() == [tx] and score == 1.0 and mlen == 3
 
 
 def test_stop_request_keeps_the_rollout_and_is_idempotent():
@@ -146,7 +160,7 @@ def test_stop_request_keeps_the_rollout_and_is_idempotent():
     d.stop_request("r")
     d.stop_request("never")
     s = d.stats()
-    assert s["requests"] == 0 and s["sequences"] == 1 and s["tokens"] == 3
+    assert s["requests"] == 0 and s["sequences"] == 1 and s["tokens"] == len(PROMPT) + 3
     with pytest.raises(KeyError):
         d.add_tokens("r", [4])
     with pytest.raises(KeyError):
@@ -189,7 +203,7 @@ def test_speculate_budget_and_stats():
     dr = d.speculate("r", 3)
     assert dr.tokens.tolist() == [50, 51, 52] and dr.probs.dtype == np.float32
     s = d.stats()
-    assert s["problems"] == 1 and s["sequences"] == 2 and s["tokens"] == 40 + 10
+    assert s["problems"] == 1 and s["sequences"] == 2 and s["tokens"] == 2 * len(PROMPT) + 40 + 10
     assert s["nodes"] > 0 and s["bytes"] > 0
 
 
@@ -238,7 +252,7 @@ def test_bad_call_arguments():
     with pytest.raises(ValueError, match="-2"):
         d.add_rollout(PROMPT, [-2])
     d.add_tokens("r", [1, 2])
-    assert d.stats()["tokens"] == 2
+    assert d.stats()["tokens"] == len(PROMPT) + 2
 
 
 def test_no_request_tree_mode_and_many_requests():
@@ -292,7 +306,7 @@ def test_problem_tree_counts_are_version_weighted_window_of_rollouts():
             p = int(rng.integers(0, 2))
             out = rng.integers(0, 3, int(rng.integers(0, 12))).tolist()
             d.add_rollout(prompts[p], out)
-            kept.append((p, v, out))
+            kept.append((p, v, prompts[p][-(D - 1):] + out))  # stored: prompt tail + output
     for p in range(2):
         tree = d.problem_tree(problem_id(prompts[p]))
         mine = [(ver, s) for q, ver, s in kept if q == p]
@@ -306,3 +320,41 @@ def test_problem_tree_counts_are_version_weighted_window_of_rollouts():
         tot_t = tree.count([])
         for x in pats:
             assert tree.count(x) / tot_t == pytest.approx(oracle[tuple(x)] / tot_o, rel=1e-9, abs=1e-15)
+
+
+def test_speculate_is_the_better_of_the_two_trees_drafts():
+    """The fused kernels (one call for both trees) agree with drafting each tree on its own."""
+    rng = np.random.default_rng(7)
+    d = DASDrafter(window=4, decay=1.0, prior=0.25, max_spec_factor=2.0, min_token_prob=0.05)
+    prompts = [[7, 8, 9], [1, 1, 2, 3, 5]]
+    for v in range(3):
+        d.begin_iteration(v)
+        for p in prompts:
+            d.add_rollout(p, rng.integers(0, 6, 40))
+    d.begin_iteration(3)
+    rids = [(p, s) for p in range(2) for s in range(3)]
+    for rid in rids:
+        d.start_request(rid, prompts[rid[0]])
+    for _ in range(15):
+        for rid in rids:
+            d.add_tokens(rid, rng.integers(0, 6, int(rng.integers(1, 4))).astype(np.int32))
+            req = d._requests[rid]
+            a = req.problem.tree.draft_seq(req.seq, 8, 0.05, 2.0, prior=0.25)
+            b = req.tree.draft_seq(0, 8, 0.05, 2.0, prior=0.25)
+            want = b if b.score > a.score else a
+            got = d.speculate(rid, 8)
+            assert got.tokens.tolist() == want.tokens.tolist() and got.score == want.score
+            assert got.match_len == want.match_len
+
+
+def test_prior_shrinks_what_was_seen_once():
+    d = DASDrafter(use_request_tree=False)  # defaults: prior 0.3
+    d.add_rollout(PROMPT, [4, 5, 6, 7])
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [4, 5])
+    dr = d.speculate("r", 4)
+    assert dr.tokens.tolist()[:1] == [6]
+    assert dr.probs[0] == pytest.approx(1 / 1.3)
+    assert DASDrafter(prior=0.0, use_request_tree=False).prior == 0.0
+    with pytest.raises(ValueError, match="prior"):
+        DASDrafter(prior=-1.0)

@@ -99,8 +99,9 @@ def test_preempted_request_is_reconciled_from_token_ids():
     eng.seqs["a"] += [4, 5, 1, 2]
     eng.layout(["a"])
     drafts = prop.propose([[2]], eng.lens, eng.tokens)
-    # Learnt from tokens it never saw in sampled_token_ids: "1 2" was followed by "3 4" (2-token match).
-    assert drafts[0] == [3, 4]
+    # Learnt from tokens it never saw in sampled_token_ids: "1 2" was followed by "3 4 5 1"
+    # (a 2-token match drafts up to 2 x 2 tokens at the default spec factor 2).
+    assert drafts[0] == [3, 4, 5, 1]
 
 
 def test_finished_requests_free_their_state_but_keep_history():
@@ -116,7 +117,7 @@ def test_finished_requests_free_their_state_but_keep_history():
     eng.layout(["b"])
     drafts = prop.propose([[5]], eng.lens, eng.tokens)
     assert "a" not in prop._reqs
-    assert drafts[0] == [6, 7, 8]
+    assert drafts[0] == [6, 7, 8, 9, 10]  # a's continuation (the problem tree also holds the prompt tail)
 
 
 def test_failure_gives_empty_drafts_and_is_counted(caplog):

@@ -75,7 +75,7 @@ class Oracle:
                     nxt.add(toks[i + m])
         return {t: self.count(pat + (t,)) for t in nxt}
 
-    def draft(self, context, max_tokens, min_prob=0.1, factor=1.0, min_match=1):
+    def draft(self, context, max_tokens, min_prob=0.1, factor=1.0, min_match=1, prior=0.0):
         """The documented algorithm, spelled out: every match length, greedy walk, re-anchor."""
         D = self.D
         tail = list(context)[-(D - 1):] if D > 1 else []
@@ -95,9 +95,10 @@ class Oracle:
                 if not conts:
                     break
                 t = min(conts, key=lambda x: (-conts[x], x))  # most weighted, ties: smallest token
-                wn, wb = self.count(cur), conts[t]
+                wn, wb = sum(conts.values()), conts[t]  # what follows, not where sequences end
                 if not wn > 0:
                     break
+                wn += prior
                 p = prob * (wb / wn) if wb < wn else prob
                 if p < min_prob:
                     break
@@ -115,7 +116,8 @@ class Oracle:
 
 def assert_same(tree: SuffixTree, orc: Oracle, vocab: int, extra_patterns=()):
     subs = orc.substrings()
-    assert tree.num_nodes == len(subs)
+    assert tree.num_strings == len(subs)
+    assert tree.num_nodes <= max(2 * tree.num_tokens, 0)
     assert tree.num_tokens == sum(len(t) for t, _ in orc.seqs.values())
     assert tree.num_sequences == len(orc.seqs)
     pats = set(subs) | {()} | {tuple(p) for p in extra_patterns}
@@ -130,7 +132,8 @@ def assert_same(tree: SuffixTree, orc: Oracle, vocab: int, extra_patterns=()):
 def assert_draft(tree: SuffixTree, orc: Oracle, context, **kw):
     got = tree.draft(context, **kw)
     toks, probs, score, mlen = orc.draft(
-        context, kw["max_tokens"], kw.get("min_token_prob", 0.1), kw.get("max_spec_factor", 1.0), kw.get("min_match", 1)
+        context, kw["max_tokens"], kw.get("min_token_prob", 0.1), kw.get("max_spec_factor", 1.0), kw.get("min_match", 1),
+        kw.get("prior", 0.0),
     )
     assert isinstance(got, Draft)
     assert got.tokens.dtype == np.int32 and got.probs.dtype == np.float32
@@ -211,13 +214,75 @@ def test_draft_matches_oracle(sc, queries, data):
     D, vocab, ops = sc
     tree, orc = run_ops(D, ops)
     seqs = [t for t, _ in orc.seqs.values() if t]
-    for ctx, max_tokens, mp, factor, mm in queries:
+    for (ctx, max_tokens, mp, factor, mm), prior in zip(queries, data.draw(st.lists(st.sampled_from([0.0, 0.0, 0.25, 1.0]), min_size=6, max_size=6))):
         if seqs and data.draw(st.integers(0, 3)) > 0:  # a context that surely matches: a piece of a stored sequence
             s = data.draw(st.sampled_from(seqs))
             j = data.draw(st.integers(1, len(s)))
             ctx = list(ctx) + s[max(0, j - data.draw(st.integers(1, 2 * D + 2))) : j]
         ctx = [t % vocab for t in ctx]
-        assert_draft(tree, orc, ctx, max_tokens=max_tokens, min_token_prob=mp, max_spec_factor=factor, min_match=mm)
+        assert_draft(tree, orc, ctx, max_tokens=max_tokens, min_token_prob=mp, max_spec_factor=factor, min_match=mm,
+                     prior=prior)
+    # a stored sequence's own continuation: draft_seq (anchored on its suffix loci) == draft(its tokens)
+    for sid in list(orc.seqs)[:4]:
+        for max_tokens, mp, factor, prior in ((6, 0.1, 1.0, 0.0), (9, 0.0, 3.0, 0.25)):
+            a = tree.draft_seq(sid, max_tokens, mp, factor, prior=prior)
+            b = tree.draft(tree.sequence(sid), max_tokens, mp, factor, prior=prior)
+            assert a.tokens.tolist() == b.tokens.tolist() and a.score == b.score and a.match_len == b.match_len
+            np.testing.assert_array_equal(a.probs, b.probs)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenario(min_adds=2), st.data())
+def test_rebuild_after_removals_keeps_counts_and_live_sequences(sc, data):
+    """With the rebuild threshold at 0 every removal that leaves referenced tokens rebuilds."""
+    import das.suffix_tree as T
+
+    D, vocab, ops = sc
+    old = T._REBUILD_MIN_TOKENS
+    T._REBUILD_MIN_TOKENS = 0
+    try:
+        tree, orc = run_ops(D, ops + [("remove", i) for i in range(3)] + [("extend", i, [0, 1, 0]) for i in range(3)])
+    finally:
+        T._REBUILD_MIN_TOKENS = old
+    assert_same(tree, orc, vocab)
+    assert tree._ztok <= max(tree.num_tokens, 0) or not tree._zombies
+    for sid in orc.seqs:
+        assert tree.sequence(sid).tolist() == orc.seqs[sid][0]
+        ctx = orc.seqs[sid][0]
+        assert_draft(tree, orc, ctx, max_tokens=5, min_token_prob=0.0, max_spec_factor=2.0)
+
+
+def test_interleaved_growth_moves_and_compacts_the_pool():
+    """Many sequences growing a few tokens at a time (as live requests do), some removed."""
+    rng = np.random.default_rng(5)
+    D, vocab = 6, 7
+    tree, orc = SuffixTree(D), Oracle(D)
+    ids = [tree.add([], 1.0) for _ in range(12)]
+    for sid in ids:
+        orc.add(sid, [], 1.0)
+    for step in range(60):
+        for sid in list(orc.seqs):
+            toks = rng.integers(0, vocab, int(rng.integers(1, 4))).tolist()
+            tree.extend(sid, toks)
+            orc.extend(sid, toks)
+        if step % 10 == 9:
+            sid = list(orc.seqs)[int(rng.integers(0, len(orc.seqs)))]
+            tree.remove(sid)
+            orc.remove(sid)
+            nid = tree.add(rng.integers(0, vocab, 5), 2.0)
+            orc.add(nid, tree.sequence(nid).tolist(), 2.0)
+        if step == 30:
+            tree._compact_pool()
+            tree.check_invariants()
+    tree.check_invariants()
+    subs = list(orc.substrings())
+    for i in rng.choice(len(subs), 200, replace=False):
+        p = subs[i]
+        assert tree.count(p) == orc.count(p) and tree.continuations(p) == orc.continuations(p)
+    assert tree.num_strings == len(subs)
+    for sid in orc.seqs:
+        assert tree.sequence(sid).tolist() == orc.seqs[sid][0]
+        assert_draft(tree, orc, orc.seqs[sid][0], max_tokens=8, min_token_prob=0.0, max_spec_factor=3.0)
 
 
 def test_large_vocab_growth_and_hash_promotion_against_oracle():
@@ -243,7 +308,7 @@ def test_large_vocab_growth_and_hash_promotion_against_oracle():
         p = subs[i]
         assert tree.count(p) == orc.count(p)
         assert tree.continuations(p) == orc.continuations(p)
-    assert tree.num_nodes == len(subs)
+    assert tree.num_strings == len(subs)
     for _ in range(50):
         s = orc.seqs[int(rng.choice(list(orc.seqs)))][0]
         j = int(rng.integers(1, len(s)))
@@ -324,7 +389,7 @@ def test_errors():
     sid = t.add([1, 2])
     with pytest.raises(ValueError, match="99999999"):
         t.extend(sid, [3, 99999999])
-    assert t.sequence(sid).tolist() == [1, 2] and t.num_nodes == 3
+    assert t.sequence(sid).tolist() == [1, 2] and t.num_strings == 3
     with pytest.raises(KeyError):
         t.extend(sid + 1, [1])
     with pytest.raises(KeyError):

@@ -1,0 +1,521 @@
+"""Replay a recorded rollout trace through drafters, as the engine would use them.
+
+``python -m benchmarks.replay [--trace PATH] [--json PATH] [--plot PATH] [--scale]``
+
+Without ``--trace`` it reuses the DSR-sub trace cached under ``~/.cache/das/traces/`` or records
+one first with the real model (``das-rollout --method none --trace``: 5 iterations x 16 prompts x
+8 samples, 384 tokens; about 10 minutes on a 2-core CPU).
+
+Replay: the rollouts of one iteration (policy version) run concurrently. Each request's first
+token comes from prefill (one verification step, no draft); then, step after step, every running
+request (in trace order) gets a draft of at most K tokens from the drafter, the accepted tokens
+are the longest common prefix of the draft and the rollout's real continuation plus the bonus
+token (for a deterministic drafter this is what lossless speculative sampling accepts on those
+same samples), and they are added to the drafter, where siblings see them at once. A request
+stops after its last token. Between iterations the drafter's window advances.
+
+Reported per drafter (``drafters.<name>`` in the JSON, at the default K): ``acceptance_length``
+(tokens per verification step, bonus included), ``steps_per_rollout`` (mean) and
+``steps_per_rollout_longest10`` (mean over the longest 10% of rollouts), ``makespan_steps`` (sum
+over iterations of the largest step count of a rollout), ``drafted_per_accepted``,
+``propose_us_p50`` / ``propose_us_p99`` (wall time of one propose call from Python),
+``insert_ns_per_token`` (wall time of the add calls per token added), ``bytes_per_token`` (C-heap
+bytes the drafter holds, per stored token, after every rollout of the trace went through it) and
+``bytes_per_token_structural`` (the drafter's own accounting). ``grid`` holds the same for several
+K and DAS windows; ``targets`` compares DAS with arctic-inference; ``scale`` (``--scale``) holds
+propose / insert cost and memory of the raw trees against the number of stored tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks._replay_drafters import heap_bytes, make_adapter
+
+REPO = Path(__file__).resolve().parents[1]
+CACHE = Path(os.environ.get("DAS_CACHE_DIR", "~/.cache/das")).expanduser() / "traces"
+DEFAULT_DATA = REPO.parent / "shared" / "data" / "dsr_sub.parquet"
+RECORD = {"iterations": 5, "prompts": 16, "samples": 8, "max_tokens": 384}
+DEFAULT_K = 16
+DRAFTERS = ("das", "arctic_suffix", "ngram")
+
+
+# ----------------------------------------------------------------------------- trace
+
+
+class TraceRollout:
+    __slots__ = ("pid", "prompt", "output", "out_list", "full", "iteration")
+
+    def __init__(self, pid: str, prompt: np.ndarray, output: np.ndarray, iteration: int):
+        self.pid = pid
+        self.prompt = prompt
+        self.output = output
+        self.out_list = output.tolist()
+        self.full = np.concatenate([prompt, output]).astype(np.int32)
+        self.iteration = iteration
+
+
+def load_trace(path: str | Path) -> list[list[TraceRollout]]:
+    """Rollouts of a trace (see :mod:`integrations.trace`), grouped by iteration, in file order.
+
+    Rollouts with an empty output are dropped (nothing to replay)."""
+    from integrations.trace import read_trace
+
+    iters: dict[int, list[TraceRollout]] = {}
+    for r in read_trace(path):
+        if not r.output_ids:
+            continue
+        iters.setdefault(r.iteration, []).append(
+            TraceRollout(r.problem_id, np.asarray(r.prompt_ids, np.int32), np.asarray(r.output_ids, np.int32), r.iteration)
+        )
+    return [iters[i] for i in sorted(iters)]
+
+
+def default_trace_path(data: Path = DEFAULT_DATA, **record: int) -> Path:
+    rec = {**RECORD, **record}
+    return CACHE / f"{data.stem}_i{rec['iterations']}_p{rec['prompts']}_n{rec['samples']}_t{rec['max_tokens']}.parquet"
+
+
+def record_trace(path: Path, data: Path = DEFAULT_DATA, model: str | None = None, **record: int) -> Path:
+    """Record a trace with the real model (``das-rollout --method none --trace``)."""
+    rec = {**RECORD, **record}
+    cmd = [sys.executable, "-m", "integrations.rollout", "--data", str(data), "--method", "none", "--compare", "",
+           "--iterations", str(rec["iterations"]), "--prompts", str(rec["prompts"]), "--samples", str(rec["samples"]),
+           "--max-tokens", str(rec["max_tokens"]), "--trace", str(path)]
+    if model:
+        cmd += ["--model", model]
+    print("recording a trace:", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return path
+
+
+# ----------------------------------------------------------------------------- replay
+
+
+def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1) -> dict[str, Any]:
+    """Replay ``iterations`` through ``adapter``; returns the metrics (see the module docstring)."""
+    lat: list[int] = []
+    add_ns = 0
+    add_tokens = 0
+    start_ns = 0
+    nstart = 0
+    drafted = 0
+    tokens_total = 0
+    steps_total = 0
+    per_iter = []
+    all_steps: list[int] = []
+    all_lens: list[int] = []
+    makespan = 0
+    perf = time.perf_counter_ns
+    calib = hasattr(adapter, "last_probs")  # drafters that report their token probabilities
+    cal_n = np.zeros(10)
+    cal_p = np.zeros(10)
+    cal_acc = np.zeros(10)
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        for it, rollouts in enumerate(iterations):
+            adapter.begin_iteration(first_version + it)
+            n = len(rollouts)
+            pos = [0] * n
+            steps = [0] * n
+            rids = [(it, i) for i in range(n)]
+            # prefill: the first token, one verification step without a draft
+            for i, r in enumerate(rollouts):
+                t0 = perf()
+                adapter.start(rids[i], r.prompt, r.pid)
+                t1 = perf()
+                adapter.add(rids[i], r.output[:1])
+                t2 = perf()
+                start_ns += t1 - t0
+                nstart += 1
+                add_ns += t2 - t1
+                add_tokens += 1
+                pos[i] = 1
+                steps[i] = 1
+            active = []
+            for i, r in enumerate(rollouts):
+                if r.output.shape[0] > 1:
+                    active.append(i)
+                else:
+                    adapter.stop(rids[i])
+            it_drafted = 0
+            while active:
+                still = []
+                for i in active:
+                    r = rollouts[i]
+                    p = pos[i]
+                    out = r.out_list
+                    L = len(out)
+                    rid = rids[i]
+                    ctx = r.full[: r.prompt.shape[0] + p]
+                    t0 = perf()
+                    d = adapter.propose(rid, ctx)
+                    t1 = perf()
+                    lat.append(t1 - t0)
+                    nd = len(d)
+                    it_drafted += nd
+                    m = 0
+                    if nd:
+                        if type(d) is not list:
+                            d = d.tolist()
+                        lim = min(nd, L - p)
+                        while m < lim and d[m] == out[p + m]:
+                            m += 1
+                    new = min(m + 1, L - p)
+                    if calib and nd and adapter.last_probs is not None:
+                        pr = np.asarray(adapter.last_probs, np.float64)
+                        b = np.minimum((pr * 10).astype(np.int64), 9)
+                        cal_n += np.bincount(b, minlength=10)
+                        cal_p += np.bincount(b, weights=pr, minlength=10)
+                        cal_acc += np.bincount(b[:m], minlength=10)
+                    t0 = perf()
+                    adapter.add(rid, r.output[p : p + new])
+                    t1 = perf()
+                    add_ns += t1 - t0
+                    add_tokens += new
+                    p += new
+                    pos[i] = p
+                    steps[i] += 1
+                    if p < L:
+                        still.append(i)
+                    else:
+                        adapter.stop(rid)
+                active = still
+            toks = sum(r.output.shape[0] for r in rollouts)
+            st = sum(steps)
+            drafted += it_drafted
+            tokens_total += toks
+            steps_total += st
+            makespan += max(steps)
+            all_steps += steps
+            all_lens += [r.output.shape[0] for r in rollouts]
+            per_iter.append({"iteration": it, "rollouts": n, "tokens": toks, "verification_steps": st,
+                             "acceptance_length": round(toks / st, 4), "drafted_tokens": it_drafted,
+                             "longest_rollout_steps": max(steps)})
+    finally:
+        if gc_was:
+            gc.enable()
+    lat_us = np.asarray(lat, np.float64) / 1e3
+    accepted = tokens_total - steps_total
+    order = np.argsort(np.asarray(all_lens), kind="stable")[::-1]
+    top = order[: max(1, len(order) // 10)]
+    steps_arr = np.asarray(all_steps)
+    return {
+        "acceptance_length": round(tokens_total / steps_total, 4),
+        "tokens": tokens_total,
+        "verification_steps": steps_total,
+        "steps_per_rollout": round(float(steps_arr.mean()), 2),
+        "steps_per_rollout_longest10": round(float(steps_arr[top].mean()), 2),
+        "tokens_per_rollout_longest10": round(float(np.asarray(all_lens)[top].mean()), 2),
+        "makespan_steps": int(makespan),
+        "drafted_tokens": int(drafted),
+        "accepted_tokens": int(accepted),
+        "drafted_per_accepted": round(drafted / accepted, 3) if accepted else None,
+        "propose_calls": int(lat_us.shape[0]),
+        "propose_us_p50": round(float(np.percentile(lat_us, 50)), 3) if lat_us.size else 0.0,
+        "propose_us_p99": round(float(np.percentile(lat_us, 99)), 3) if lat_us.size else 0.0,
+        "propose_us_mean": round(float(lat_us.mean()), 3) if lat_us.size else 0.0,
+        "insert_ns_per_token": round(add_ns / max(add_tokens, 1), 1),
+        "start_us_mean": round(start_ns / max(nstart, 1) / 1e3, 2),
+        "iterations": per_iter,
+        **({"calibration": [{"bin": f"[{j / 10:.1f},{(j + 1) / 10:.1f})", "drafted": int(cal_n[j]),
+                             "mean_prob": round(cal_p[j] / cal_n[j], 3), "accepted_rate": round(cal_acc[j] / cal_n[j], 3)}
+                            for j in range(10) if cal_n[j]]} if calib else {}),
+    }
+
+
+def measure_memory(name: str, config: dict[str, Any], iterations: list[list[TraceRollout]], k: int = DEFAULT_K) -> dict[str, Any]:
+    """Heap bytes a drafter holds after every rollout of the trace went through it (all requests
+    stopped), per stored output token; plus the drafter's own accounting (structural)."""
+    gc.collect()
+    h0 = heap_bytes()
+    a = make_adapter(name, k, **config)
+    for it, rollouts in enumerate(iterations):
+        a.begin_iteration(it + 1)
+        for i, r in enumerate(rollouts):
+            a.start((it, i), r.prompt, r.pid)
+        for i, r in enumerate(rollouts):  # a few chunks, as a request grows
+            for chunk in np.array_split(r.output, 8):
+                if chunk.shape[0]:
+                    a.add((it, i), chunk)
+        for i in range(len(rollouts)):
+            a.stop((it, i))
+    gc.collect()
+    h1 = heap_bytes()
+    structural, _ = a.stored()
+    tokens = sum(r.output.shape[0] for rs in iterations for r in rs)  # the same denominator for every drafter
+    out = {"tokens_stored": int(tokens)}
+    if name != "ngram":
+        out["bytes_per_token"] = round((h1 - h0) / tokens, 1) if h0 is not None else None
+        out["bytes_per_token_structural"] = round(structural / tokens, 1)
+    else:
+        out["bytes_per_token"] = 0.0  # keeps nothing beyond the engine's own token buffer
+        out["bytes_per_token_structural"] = 0.0
+    del a
+    gc.collect()
+    return out
+
+
+def warm_up(iterations: list[list[TraceRollout]], names) -> None:
+    """Compile / page in every code path on a small slice before anything is timed."""
+    small = [rs[:4] for rs in iterations[:2]]
+    for name in names:
+        replay(make_adapter(name, DEFAULT_K, **default_config(name)), small)
+
+
+CONFIGS: dict[str, dict[str, Any]] = {}  # per-drafter overrides of the headline (--das, --arctic)
+
+
+def default_config(name: str) -> dict[str, Any]:
+    """Settings of the headline drafters: their own defaults (DASDrafter's; arctic as vLLM's
+    ``suffix`` method; n-gram as vLLM's prompt lookup 2..4) unless --das / --arctic override them."""
+    return dict(CONFIGS.get(name, {}))
+
+
+TIMING_KEYS = ("propose_us_p50", "propose_us_p99", "propose_us_mean", "insert_ns_per_token", "start_us_mean")
+
+
+def run_entry(name: str, k: int, config: dict[str, Any], iterations, memory: bool = True) -> dict[str, Any]:
+    res = replay(make_adapter(name, k, **config), iterations)
+    entry = {"drafter": name, "k": k, "config": config, **res}
+    if memory:
+        entry.update(measure_memory(name, config, iterations, k))
+    return entry
+
+
+def run_headline(names, k: int, iterations, repeats: int = 3) -> dict[str, dict[str, Any]]:
+    """Each drafter ``repeats`` times, interleaved (ABC, CBA, ABC, ...) so that they share the
+    machine's load; timings are the median over the rounds (acceptance is deterministic)."""
+    rounds: dict[str, list] = {n: [] for n in names}
+    for r in range(repeats):
+        for name in (names if r % 2 == 0 else names[::-1]):
+            print(f"replaying {name} (K={k}, round {r + 1}/{repeats}) ...", file=sys.stderr, flush=True)
+            rounds[name].append(replay(make_adapter(name, k, **default_config(name)), iterations))
+    out = {}
+    for name in names:
+        e = dict(rounds[name][0])
+        for key in TIMING_KEYS:
+            vals = [x[key] for x in rounds[name]]
+            e[key] = round(float(np.median(vals)), 3)
+            e[key + "_rounds"] = vals
+        e.update(measure_memory(name, default_config(name), iterations, k))
+        out[name] = {"k": k, "config": default_config(name), **e}
+    return out
+
+
+# Acceptance against draft cost: the same trace, K and depth, drafting rules varied.
+FRONTIER = (
+    ("das", {"max_spec_factor": 1.0, "min_token_prob": 0.1, "prior": 0.0}),
+    ("das", {"max_spec_factor": 2.0, "min_token_prob": 0.3, "prior": 0.3}),
+    ("das", {"max_spec_factor": 3.0, "min_token_prob": 0.2, "prior": 0.3}),
+    ("das", {"max_spec_factor": 4.0, "min_token_prob": 0.1, "prior": 0.3}),
+    ("das", {"max_spec_factor": 16.0, "min_token_prob": 0.0, "prior": 0.3}),
+    ("arctic_suffix", {"max_spec_factor": 1.0, "min_token_prob": 0.3}),
+    ("arctic_suffix", {"max_spec_factor": 2.0, "min_token_prob": 0.1}),
+    ("arctic_suffix", {"max_spec_factor": 4.0, "min_token_prob": 0.1}),
+    ("arctic_suffix", {"max_spec_factor": 16.0, "min_token_prob": 0.0}),
+)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+TARGETS = (
+    # (metric, direction): DAS must be <= (lower is better) or >= ratio x arctic
+    ("propose_us_p50", "le", 1.0),
+    ("insert_ns_per_token", "le", 1.0),
+    ("bytes_per_token", "le", 1.0),
+    ("acceptance_length", "ge", 1.2),
+)
+
+
+def targets(drafters: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """DAS against arctic-inference: each target, the ratio, met or not, and the gap."""
+    das, arc = drafters.get("das"), drafters.get("arctic_suffix")
+    out = {}
+    if not das or not arc:
+        return out
+    for metric, how, need in TARGETS:
+        a, b = das.get(metric), arc.get(metric)
+        if a is None or not b:
+            continue
+        ratio = a / b
+        met = ratio <= need if how == "le" else ratio >= need
+        goal = b * need
+        out[metric] = {"das": a, "arctic_suffix": b, "ratio": round(ratio, 3), "target": f"{'<=' if how == 'le' else '>='} {need} x arctic",
+                       "met": bool(met), "gap": None if met else round(a - goal, 3)}
+    return out
+
+
+def format_table(report: dict[str, Any]) -> str:
+    cols = [("acc_len", "acceptance_length", "{:.3f}"), ("steps/roll", "steps_per_rollout", "{:.1f}"),
+            ("steps/long10", "steps_per_rollout_longest10", "{:.1f}"), ("makespan", "makespan_steps", "{:d}"),
+            ("draft/acc", "drafted_per_accepted", "{:.2f}"), ("p50_us", "propose_us_p50", "{:.2f}"),
+            ("p99_us", "propose_us_p99", "{:.2f}"), ("ins_ns/tok", "insert_ns_per_token", "{:.0f}"),
+            ("B/tok", "bytes_per_token", "{:.0f}")]
+
+    def row(label, e):
+        cells = []
+        for h, key, fmt in cols:
+            v = e.get(key)
+            cells.append(f"{(fmt.format(v) if v is not None else '-'):>{max(len(h), 8)}}")
+        return f"{label:<30} " + " ".join(cells)
+
+    head = f"{'drafter':<30} " + " ".join(f"{h:>{max(len(h), 8)}}" for h, _, _ in cols)
+    lines = [f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, {report['trace']['tokens']} tokens, "
+             f"{report['trace']['iterations']} iterations)", "", f"K = {report['k']}", head, "-" * len(head)]
+    for name, e in report["drafters"].items():
+        lines.append(row(name, e))
+    per_it = {name: [x["acceptance_length"] for x in e["iterations"]] for name, e in report["drafters"].items()}
+    lines += ["", "acceptance length per iteration:"]
+    for name, xs in per_it.items():
+        lines.append(f"  {name:<28} " + " ".join(f"{x:.3f}" for x in xs))
+    if report.get("grid"):
+        lines += ["", "grid (K; DAS window W; drafting rules: spec factor f, min token prob mp, prior pr):",
+                  head.replace("drafter" + " " * 23, "drafter / setting".ljust(30)), "-" * len(head)]
+        for e in report["grid"]:
+            cfg = e["config"]
+            short = {"window": "W", "max_spec_factor": "f", "min_token_prob": "mp", "prior": "pr"}
+            label = f"{e['drafter'].replace('arctic_suffix', 'arctic')} K={e['k']}" + "".join(
+                f" {short.get(a, a)}={v:g}" for a, v in cfg.items())
+            lines.append(row(label, e))
+    if report.get("hindsight_bound"):
+        h = report["hindsight_bound"]
+        lines += ["", f"hindsight bound (DAS trees, K={h['k']}, every anchor walked to K tokens, the one that matches the "
+                      f"real continuation longest): acceptance {h['acceptance_length']:.3f}, per iteration "
+                      + " ".join(f"{x['acceptance_length']:.3f}" for x in h["iterations"])]
+    if report.get("targets"):
+        lines += ["", "targets (DAS vs arctic-inference, same trace, K and depth):"]
+        for metric, t in report["targets"].items():
+            status = "met" if t["met"] else f"MISSED by {t['gap']:+g}"
+            lines.append(f"  {metric:<22} das {t['das']:<10g} arctic {t['arctic_suffix']:<10g} ratio {t['ratio']:<7g} "
+                         f"(target {t['target']}): {status}")
+    if report.get("scale"):
+        lines += ["", "scale (raw trees, depth 24, synthetic stream):",
+                  f"  {'tree':<8} {'tokens':>10} {'insert_ns/tok':>14} {'propose_us_p50':>15} {'propose_us_p99':>15} {'B/tok':>8}"]
+        for name, pts in report["scale"]["trees"].items():
+            for p in pts:
+                lines.append(f"  {name:<8} {p['tokens']:>10} {p['insert_ns_per_token']:>14.0f} {p['propose_us_p50']:>15.2f} "
+                             f"{p['propose_us_p99']:>15.2f} {p['bytes_per_token'] if p['bytes_per_token'] is not None else '-':>8}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=None, help="rollout trace (parquet); default: the cached DSR-sub trace, recorded if missing")
+    p.add_argument("--json", default=None, help="write the report here")
+    p.add_argument("--plot", default=None, help="write an SVG plot here (default: next to --json)")
+    p.add_argument("--k", type=int, default=DEFAULT_K, help="K (most draft tokens per step) of the headline comparison")
+    p.add_argument("--grid-k", default="4,8,16,32", help="K values of the grid ('' for none)")
+    p.add_argument("--grid-window", default="1,2,4,16", help="DAS windows of the grid ('' for none)")
+    p.add_argument("--drafters", default=",".join(DRAFTERS), help="drafters of the headline comparison")
+    p.add_argument("--das", default=None, help="JSON of DASDrafter settings for the headline (e.g. '{\"prior\": 0}')")
+    p.add_argument("--arctic", default=None, help="JSON of arctic settings for the headline (max_tree_depth, max_spec_factor, min_token_prob, max_cached_requests)")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the headline (timings: median)")
+    p.add_argument("--no-frontier", dest="frontier", action="store_false",
+                   help="skip the acceptance-vs-draft-cost runs (drafting rules varied at the headline K)")
+    p.add_argument("--no-hindsight", dest="hindsight", action="store_false",
+                   help="skip the hindsight bound (DAS trees, anchor chosen knowing the continuation)")
+    p.add_argument("--scale", action="store_true", help="also run the scale mode (synthetic stream, raw trees)")
+    p.add_argument("--scale-tokens", default="1e4,1e5,1e6,1e7", help="scale mode checkpoints (stored tokens)")
+    p.add_argument("--no-record", action="store_true", help="fail instead of recording a trace when none is cached")
+    p.add_argument("--model", default=None, help="model for recording (default: das-rollout's)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    CONFIGS.clear()
+    for name, text in (("das", args.das), ("arctic_suffix", args.arctic)):
+        if text:
+            CONFIGS[name] = json.loads(text)
+    trace = Path(args.trace) if args.trace else default_trace_path()
+    if not trace.exists():
+        if args.trace or args.no_record:
+            print(f"no trace at {trace}", file=sys.stderr)
+            return 2
+        record_trace(trace, model=args.model)
+    iterations = load_trace(trace)
+    names = [n.strip() for n in args.drafters.split(",") if n.strip()]
+    if any(n.startswith("arctic") for n in names):
+        try:
+            import arctic_inference.suffix_decoding  # noqa: F401
+        except ImportError:
+            print("arctic-inference is not installed: skipping its drafters", file=sys.stderr)
+            names = [n for n in names if not n.startswith("arctic")]
+    warm_up(iterations, names)
+    report: dict[str, Any] = {
+        "trace": {"path": str(trace), "iterations": len(iterations), "rollouts": sum(len(r) for r in iterations),
+                  "tokens": int(sum(r.output.shape[0] for rs in iterations for r in rs)),
+                  "mean_output_tokens": round(float(np.mean([r.output.shape[0] for rs in iterations for r in rs])), 1)},
+        "k": args.k,
+        "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
+        "drafters": {},
+        "grid": [],
+    }
+    report["drafters"] = run_headline(names, args.k, iterations, args.repeats)
+    report["targets"] = targets(report["drafters"])
+    ks = [int(x) for x in args.grid_k.split(",") if x.strip()]
+    for k in ks:
+        for name in names:
+            if k == args.k:
+                continue
+            print(f"grid: {name} K={k} ...", file=sys.stderr, flush=True)
+            report["grid"].append(run_entry(name, k, default_config(name), iterations, memory=False))
+    if "das" in names:
+        from das import DASDrafter
+
+        default_w = DASDrafter().window
+        for w in [int(x) for x in args.grid_window.split(",") if x.strip()]:
+            if w == default_w:
+                continue
+            print(f"grid: das K={args.k} window={w} ...", file=sys.stderr, flush=True)
+            report["grid"].append(run_entry("das", args.k, {**default_config("das"), "window": w}, iterations))
+    if args.frontier:
+        for name, cfg in FRONTIER:
+            if name in names:
+                print(f"frontier: {name} K={args.k} {cfg} ...", file=sys.stderr, flush=True)
+                report["grid"].append(run_entry(name, args.k, cfg, iterations, memory=False))
+    if args.hindsight and "das" in names:
+        from benchmarks._replay_drafters import DASHindsightAdapter
+
+        print(f"hindsight bound: das trees, K={args.k} ...", file=sys.stderr, flush=True)
+        truth = {(it, i): r.output for it, rs in enumerate(iterations) for i, r in enumerate(rs)}
+        res = replay(DASHindsightAdapter(args.k, truth, **default_config("das")), iterations)
+        report["hindsight_bound"] = {"k": args.k, **{key: res[key] for key in
+                                     ("acceptance_length", "steps_per_rollout", "steps_per_rollout_longest10",
+                                      "drafted_per_accepted", "iterations")}}
+    if args.scale:
+        from benchmarks._replay_scale import run_scale
+
+        report["scale"] = run_scale([int(float(x)) for x in args.scale_tokens.split(",") if x.strip()])
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    plot = args.plot or (str(Path(args.json).with_suffix(".svg")) if args.json else None)
+    if plot:
+        from benchmarks._replay_plot import write_svg
+
+        write_svg(report, plot)
+        print(f"wrote {plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The replay benchmark: step accounting, the n-gram baseline, the report's keys."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks._replay_drafters import ngram_propose
+from benchmarks.replay import load_trace, main, replay
+from integrations.trace import Rollout, write_trace
+
+
+def _trace(tmp_path, iterations=2, problems=2, samples=3, seed=0):
+    rng = np.random.default_rng(seed)
+    rollouts = []
+    for it in range(iterations):
+        for p in range(problems):
+            base = rng.integers(0, 9, 40).tolist()
+            prompt = [100 + p, 200, 201]
+            for s in range(samples):
+                out = [t if rng.random() < 0.8 else int(rng.integers(0, 9)) for t in base][: int(rng.integers(5, 40))]
+                rollouts.append(Rollout(it, it + 1, f"p{p}", s, prompt, out, "stop"))
+    path = tmp_path / "trace.parquet"
+    write_trace(path, rollouts)
+    return path
+
+
+class _Oracle:
+    """Drafts the true next K tokens (or nothing): acceptance is then exactly computable."""
+
+    def __init__(self, iterations, k):
+        self.k = k
+        self.outs = {(it, i): r.out_list for it, rs in enumerate(iterations) for i, r in enumerate(rs)}
+        self.pos = {}
+
+    def begin_iteration(self, v):
+        pass
+
+    def start(self, rid, prompt, pid):
+        self.pos[rid] = 0
+
+    def add(self, rid, toks):
+        self.pos[rid] += len(toks)
+
+    def propose(self, rid, ctx):
+        p = self.pos[rid]
+        return self.outs[rid][p : p + self.k]
+
+    def stop(self, rid):
+        del self.pos[rid]
+
+
+@pytest.mark.parametrize("k", [0, 1, 4])
+def test_replay_counts_verification_steps(tmp_path, k):
+    its = load_trace(_trace(tmp_path))
+    res = replay(_Oracle(its, k), its)
+    lens = [len(r.out_list) for rs in its for r in rs]
+    # first token from prefill, then K drafted + 1 bonus token per step
+    want = sum(1 + -(-(n - 1) // (k + 1)) for n in lens)
+    assert res["verification_steps"] == want and res["tokens"] == sum(lens)
+    assert res["acceptance_length"] == pytest.approx(sum(lens) / want, abs=1e-4)
+    assert res["accepted_tokens"] == sum(lens) - want
+    assert sum(x["verification_steps"] for x in res["iterations"]) == want
+
+
+def _ngram_brute(tokens, min_n, max_n, k):
+    t = list(tokens)
+    for n in range(min(max_n, len(t) - 1), min_n - 1, -1):
+        for j in range(0, len(t) - n):  # earliest earlier occurrence of the last n tokens
+            if t[j : j + n] == t[len(t) - n :]:
+                return t[j + n : j + n + k]
+    return []
+
+
+def test_ngram_is_vllm_prompt_lookup():
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        toks = rng.integers(0, 3, int(rng.integers(0, 30))).astype(np.int32)
+        for k in (1, 4):
+            assert ngram_propose(toks, 2, 4, k).tolist() == _ngram_brute(toks, 2, 4, k)
+
+
+def test_main_writes_the_report(tmp_path):
+    pytest.importorskip("arctic_inference.suffix_decoding")
+    trace = _trace(tmp_path)
+    out = tmp_path / "r.json"
+    assert main(["--trace", str(trace), "--json", str(out), "--grid-k", "4", "--grid-window", "1", "--repeats", "1",
+                 "--no-frontier"]) == 0
+    rep = json.loads(out.read_text())
+    for name in ("das", "arctic_suffix", "ngram"):
+        e = rep["drafters"][name]
+        for key in ("acceptance_length", "propose_us_p50", "propose_us_p99", "insert_ns_per_token", "bytes_per_token"):
+            assert isinstance(e[key], (int, float)), (name, key)
+        assert e["acceptance_length"] >= 1.0 and len(e["iterations"]) == 2
+    assert set(rep["targets"]) == {"propose_us_p50", "insert_ns_per_token", "bytes_per_token", "acceptance_length"}
+    assert {(e["drafter"], e["k"]) for e in rep["grid"]} >= {("das", 4), ("arctic_suffix", 4), ("ngram", 4)}
+    assert out.with_suffix(".svg").read_text().startswith("<svg")
