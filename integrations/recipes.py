@@ -1,0 +1,446 @@
+"""Recipes: our GRPO loop's YAML, and DAS overlays for verl and NeMo-RL (checked without either).
+
+Our loop
+--------
+:func:`load_recipe` reads a YAML file (``recipes/grpo_dsr_sub.yaml`` and friends) into a
+:class:`Recipe`: model, data, rollout, speculative decoding (DAS settings), length-aware scheduler,
+reward, training and logging, all in one place, with unknown keys rejected by name. Overrides are
+``section.key=value`` strings (values parsed as YAML), as on a Hydra command line.
+
+verl (checked against verl ``main`` at commit 1dda039b, 2026-08-22, version ``0.10.0.dev``, after
+release v0.9.0; files ``verl/trainer/config/rollout/rollout.yaml``,
+``verl/workers/rollout/vllm_rollout/vllm_async_server.py``, ``.../vllm_rollout/utils.py``,
+``verl/experimental/agent_loop/agent_loop.py``, ``single_turn_agent_loop.py``)
+------------------------------------------------------------------------------------------
+* ``actor_rollout_ref.rollout.engine_kwargs.vllm`` is a free dict that ``vLLMHttpServer.launch_server``
+  merges last into the ``vllm serve`` arguments (``build_cli_args_from_config``: a dict value
+  becomes its JSON string, ``True`` a bare flag). So ``engine_kwargs.vllm.speculative_config``
+  reaches vLLM's ``--speculative-config`` and ``engine_kwargs.vllm.additional_config`` reaches
+  ``--additional-config`` (the ``das`` section). Only when ``rollout.mtp.enable_rollout`` is on
+  does verl rebuild ``speculative_config`` itself (MTP), so leave MTP off. On the command line
+  these are new keys of an empty dict: prefix them with ``+`` (:func:`verl_cli_overrides`).
+* ``rollout.disable_log_stats`` defaults to True in verl; set it False to get vLLM's
+  speculative-decoding counters.
+* Per-request fields: the agent loop's ``sampling_params`` dict goes unchanged into
+  ``SamplingParams(**sampling_params)`` in ``vLLMHttpServer.generate``, so an ``extra_args`` key
+  there reaches our proposer. The single-turn agent loop does not set one; the dataset fields
+  (``index``, ``data_source``, ``extra_info``, ``uid``...) arrive as the loop's ``run(**kwargs)``.
+  :func:`verl_das_agent_loop` (registered through ``rollout.agent.agent_loop_config_path``,
+  selected by ``rollout.agent.default_agent_loop``) subclasses verl's ``SingleTurnAgentLoop`` and
+  adds ``extra_args={"das_problem_id": ...}`` (and an optional ``das_max_draft_tokens``). Without
+  it the proposer keys problems by a hash of the prompt tokens, which also groups a GRPO group
+  and revisits, as long as the prompt text does not change between epochs.
+* Policy versions: verl drives the weight sync (``vLLMColocateWorkerExtension.update_weights_from_ipc``
+  calls ``model_runner.model.load_weights`` in every vLLM worker, bucket by bucket), so the
+  overlay names :class:`integrations.weight_sync.SyncAwareDASProposer`, which advances the
+  drafter window at the first engine step after any weight load.
+
+NeMo-RL (checked against NVIDIA-NeMo/RL ``main`` at commit 7ea279ab, 2026-08-22, after v0.7.0;
+``nemo_rl/models/generation/vllm/vllm_worker.py``, ``vllm_backend.py``,
+``examples/configs/grpo_math_1B.yaml``)
+------------------------------------------------------------------------------------------
+* ``policy.generation.vllm_kwargs`` is deep-copied and spread last into ``vllm.LLM(...)``
+  (``**vllm_kwargs``), so ``speculative_config`` and ``additional_config`` pass unchanged; NeMo-RL
+  already sets ``disable_log_stats=False``. A ``speculative_config`` with
+  ``num_speculative_tokens: 0`` is NeMo-RL's way to switch speculation off.
+* Per-request fields: ``_build_sampling_params`` sets no ``extra_args``, so problems are keyed
+  by the prompt-token hash (see above).
+* Refit calls ``self.model_runner.model.load_weights(weights=...)`` in each worker, so
+  :class:`~integrations.weight_sync.SyncAwareDASProposer` advances versions there too.
+* vLLM workers run in NeMo-RL's own virtual environment: das must be importable there
+  (``policy.generation.vllm_cfg.env_vars.PYTHONPATH`` pointing at a das checkout, or install das
+  into that environment).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+__all__ = [
+    "RECIPES_DIR",
+    "Recipe",
+    "load_recipe",
+    "apply_overrides",
+    "das_speculative_config",
+    "verl_overlay",
+    "verl_cli_overrides",
+    "verl_vllm_cli_args",
+    "check_das_engine_kwargs",
+    "nemo_rl_overlay",
+    "das_request_fields",
+    "verl_das_agent_loop",
+    "load_yaml",
+]
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
+SYNC_AWARE_PROPOSER = "integrations.weight_sync.SyncAwareDASProposer"
+EXPLICIT_PROPOSER = "integrations.vllm_proposer.DASProposer"
+
+
+# ----------------------------------------------------------------------------------------------
+# our loop's recipe
+
+
+@dataclasses.dataclass
+class RolloutSection:
+    prompts_per_step: int = 4  # problems per GRPO step
+    samples: int = 8  # GRPO group size (n)
+    max_tokens: int = 256
+    temperature: float = 0.6  # 0 = greedy
+    top_p: float = 1.0
+    dtype: str = "bfloat16"  # vLLM engine dtype
+    max_model_len: int = 1024
+
+
+@dataclasses.dataclass
+class SpeculativeSection:
+    method: str = "das"  # none | das | ngram | suffix
+    num_speculative_tokens: int | None = 16
+    das: dict = dataclasses.field(default_factory=lambda: {"window": 16, "decay": 0.9, "budget": "cost"})
+
+
+@dataclasses.dataclass
+class SchedulerSection:
+    policy: str = "none"  # none | class: per-request das_max_draft_tokens from the problem's length class
+    long: int = 16
+    medium: int = 4
+    short: int = 0
+    window: int = 16  # policy versions of length history
+
+
+@dataclasses.dataclass
+class RewardSection:
+    format_weight: float = 0.1
+    require_boxed: bool = True
+    code_timeout_s: float = 6.0
+    code_memory_mb: int = 1024
+    network: str = "isolate"  # isolate | require | allow
+    workers: int = 2
+    overlong_buffer: int = 0  # DAPO soft overlong punishment over the last this many tokens (0: off)
+    overlong_penalty: float = 1.0  # penalty at max_tokens
+
+
+@dataclasses.dataclass
+class TrainSection:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple = (0.9, 0.999)
+    clip_low: float = 0.2  # PPO clip: ratio in [1 - clip_low, 1 + clip_high] (DAPO clip-higher)
+    clip_high: float = 0.28
+    kl_coef: float = 0.0  # > 0: k3 KL to the initial (reference) policy
+    mini_batches: int = 2  # optimizer steps per GRPO step (the batch split in this many parts)
+    epochs: int = 1
+    micro_batch_tokens: int = 1024  # tokens per forward/backward pass (gradient accumulation; activation memory)
+    max_grad_norm: float = 1.0
+    advantage: str = "grpo"  # grpo: (r - group mean) / group std; batch: over the whole batch
+    std_normalize: bool = True
+    dtype: str = "float32"  # master weights
+    autocast_bf16: bool = False  # bf16 autocast for forward/backward (faster on AVX-512 bf16 CPUs)
+    skip_zero_advantage_groups: bool = True  # drop groups whose rewards are all equal (no signal)
+
+
+@dataclasses.dataclass
+class LogSection:
+    json: str | None = None  # JSON-lines log, one record per step plus a summary
+    progress: bool = True
+
+
+@dataclasses.dataclass
+class Recipe:
+    """Everything the GRPO loop (:mod:`integrations.grpo`) reads."""
+
+    model: str | None = None  # None: SmolLM2-135M-Instruct; 'tiny'; a local HF dir
+    data: str | None = "dsr_sub"  # integrations.data.load_problems spec
+    pool: int | None = 64  # problems drawn from (a seeded sample); None: all
+    seed: int = 0
+    steps: int = 10
+    rollout: RolloutSection = dataclasses.field(default_factory=RolloutSection)
+    speculative: SpeculativeSection = dataclasses.field(default_factory=SpeculativeSection)
+    scheduler: SchedulerSection = dataclasses.field(default_factory=SchedulerSection)
+    reward: RewardSection = dataclasses.field(default_factory=RewardSection)
+    train: TrainSection = dataclasses.field(default_factory=TrainSection)
+    log: LogSection = dataclasses.field(default_factory=LogSection)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["train"]["betas"] = list(d["train"]["betas"])
+        return d
+
+    def validate(self) -> "Recipe":
+        from integrations.engine import METHODS
+
+        r, s, t = self.rollout, self.speculative, self.train
+        checks = [
+            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
+            (self.pool is None or self.pool >= r.prompts_per_step, f"pool ({self.pool}) must be >= rollout.prompts_per_step ({r.prompts_per_step})"),
+            (r.prompts_per_step >= 1 and r.samples >= 1 and r.max_tokens >= 1, "rollout.prompts_per_step, samples and max_tokens must be >= 1"),
+            (r.temperature >= 0 and 0 < r.top_p <= 1, f"rollout.temperature must be >= 0 and top_p in (0, 1], got {r.temperature}, {r.top_p}"),
+            (s.method in METHODS, f"speculative.method must be one of {list(METHODS)}, got {s.method!r}"),
+            (self.scheduler.policy in ("none", "class"), f"scheduler.policy must be 'none' or 'class', got {self.scheduler.policy!r}"),
+            (self.scheduler.policy == "none" or s.method == "das", "scheduler.policy 'class' needs speculative.method 'das'"),
+            (t.advantage in ("grpo", "batch"), f"train.advantage must be 'grpo' or 'batch', got {t.advantage!r}"),
+            (t.lr > 0 and t.mini_batches >= 1 and t.epochs >= 1 and t.micro_batch_tokens >= 1, "train.lr > 0, mini_batches, epochs, micro_batch_tokens >= 1"),
+            (0 <= t.clip_low < 1 and t.clip_high >= 0, f"train.clip_low in [0, 1) and clip_high >= 0, got {t.clip_low}, {t.clip_high}"),
+            (t.kl_coef >= 0, f"train.kl_coef must be >= 0, got {t.kl_coef}"),
+            (t.dtype in ("float32", "bfloat16"), f"train.dtype must be float32 or bfloat16, got {t.dtype!r}"),
+            (self.reward.network in ("isolate", "require", "allow"), f"reward.network must be isolate|require|allow, got {self.reward.network!r}"),
+        ]
+        bad = [msg for ok, msg in checks if not ok]
+        if bad:
+            raise ValueError("bad recipe: " + "; ".join(bad))
+        if s.method == "das":
+            from integrations.vllm_proposer import das_section
+
+            das_section({"das": dict(s.das)})  # raises ValueError naming unknown keys / bad values
+        return self
+
+
+_SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
+
+
+def load_yaml(path: str | Path) -> Any:
+    import yaml
+
+    with open(path, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+def _build(cls: type, data: Mapping[str, Any], where: str):
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ValueError(f"{where}: unknown keys {unknown}; expected some of {sorted(fields)}")
+    kwargs = {}
+    for k, v in data.items():
+        sub = _SUB.get((cls, k))
+        kwargs[k] = _build(sub, v or {}, f"{where}.{k}") if sub is not None else v
+    obj = cls(**kwargs)
+    if cls is TrainSection:
+        obj.betas = tuple(obj.betas)
+    return obj
+
+
+_SUB = {(Recipe, "rollout"): RolloutSection, (Recipe, "speculative"): SpeculativeSection, (Recipe, "scheduler"): SchedulerSection,
+        (Recipe, "reward"): RewardSection, (Recipe, "train"): TrainSection, (Recipe, "log"): LogSection}
+
+
+def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, in place; returns it."""
+    import yaml
+
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r} is not key=value")
+        key, raw = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = data
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"override {item!r}: {p!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    return data
+
+
+def load_recipe(source: str | Path | Mapping[str, Any] | None = None, overrides: Iterable[str] = ()) -> Recipe:
+    """Read a loop recipe.
+
+    Args:
+        source: a YAML path, a dict, a name under ``recipes/`` without ``.yaml`` (e.g.
+            ``"grpo_dsr_sub"``), or None for the defaults of :class:`Recipe`.
+        overrides: ``section.key=value`` strings applied on top.
+
+    Raises:
+        ValueError: unknown keys (named), bad values.
+        FileNotFoundError: no such file.
+    """
+    if source is None:
+        data: dict[str, Any] = {}
+    elif isinstance(source, Mapping):
+        data = copy.deepcopy(dict(source))
+    else:
+        p = Path(source)
+        if not p.exists() and (RECIPES_DIR / f"{source}.yaml").exists():
+            p = RECIPES_DIR / f"{source}.yaml"
+        if not p.is_file():
+            raise FileNotFoundError(f"recipe not found: {str(source)!r}")
+        data = load_yaml(p) or {}
+    data = apply_overrides(data, overrides)
+    return _build(Recipe, data, "recipe").validate()
+
+
+# ----------------------------------------------------------------------------------------------
+# engine settings shared by all recipes
+
+
+def das_speculative_config(num_speculative_tokens: int = 16, *, sync_aware: bool = True) -> dict[str, Any]:
+    """vLLM ``speculative_config`` for DAS; ``sync_aware`` picks the proposer that advances versions on weight loads."""
+    return {"method": "custom_class", "model": SYNC_AWARE_PROPOSER if sync_aware else EXPLICIT_PROPOSER,
+            "num_speculative_tokens": int(num_speculative_tokens)}
+
+
+def check_das_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """Check the vLLM engine kwargs of a framework recipe: DAS proposer, importable class, valid ``das`` section.
+
+    Returns the ``das`` section. Raises ``ValueError`` naming what is wrong.
+    """
+    import importlib
+
+    spec = engine_kwargs.get("speculative_config")
+    if isinstance(spec, str):
+        spec = json.loads(spec)
+    if not isinstance(spec, Mapping) or spec.get("method") != "custom_class":
+        raise ValueError(f"speculative_config must be a mapping with method 'custom_class', got {spec!r}")
+    path = str(spec.get("model", ""))
+    if path not in (SYNC_AWARE_PROPOSER, EXPLICIT_PROPOSER):
+        raise ValueError(f"speculative_config.model must be {SYNC_AWARE_PROPOSER!r} or {EXPLICIT_PROPOSER!r}, got {path!r}")
+    mod, _, name = path.rpartition(".")
+    if getattr(importlib.import_module(mod), name, None) is None:
+        raise ValueError(f"{path} is not importable")
+    k = spec.get("num_speculative_tokens")
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens must be an int >= 1, got {k!r}")
+    extra = engine_kwargs.get("additional_config") or {}
+    if isinstance(extra, str):
+        extra = json.loads(extra)
+    from integrations.vllm_proposer import das_section
+
+    das_section(extra)
+    return dict(extra.get("das", {}))
+
+
+# ----------------------------------------------------------------------------------------------
+# verl
+
+
+def verl_overlay(das: Mapping[str, Any] | None = None, num_speculative_tokens: int = 16, *, agent_loop: bool = True,
+                 agent_loop_config_path: str = "recipes/verl/das_agent_loops.yaml") -> dict[str, Any]:
+    """The verl config keys that turn DAS on (a nested dict under ``actor_rollout_ref``)."""
+    rollout: dict[str, Any] = {
+        "name": "vllm",
+        "disable_log_stats": False,
+        "engine_kwargs": {"vllm": {"speculative_config": das_speculative_config(num_speculative_tokens),
+                                   "additional_config": {"das": dict(das or {"window": 16, "decay": 0.9, "budget": "cost"})}}},
+    }
+    if agent_loop:
+        rollout["agent"] = {"default_agent_loop": "das_single_turn_agent", "agent_loop_config_path": agent_loop_config_path}
+    return {"actor_rollout_ref": {"rollout": rollout}}
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else str(k)
+        if isinstance(v, Mapping) and v:
+            out += _flatten(v, key)
+        else:
+            out.append((key, v))
+    return out
+
+
+def verl_cli_overrides(overlay: Mapping[str, Any]) -> list[str]:
+    """Hydra command-line overrides for ``python -m verl.trainer.main_ppo`` from an overlay.
+
+    Keys under ``engine_kwargs.vllm`` are new keys of an empty dict in verl's config, so they get
+    Hydra's ``+`` prefix (verl's own examples do the same); the others exist and are set plainly.
+    """
+    out = []
+    for key, v in _flatten(overlay):
+        val = json.dumps(v) if isinstance(v, (Mapping, list)) else ("true" if v is True else "false" if v is False else "null" if v is None else str(v))
+        plus = "+" if ".engine_kwargs.vllm." in f".{key}" else ""
+        out.append(f"{plus}{key}={val}")
+    return out
+
+
+def verl_vllm_cli_args(engine_kwargs: Mapping[str, Any]) -> list[str]:
+    """What verl's ``build_cli_args_from_config`` makes of ``engine_kwargs.vllm`` (same rules, re-implemented).
+
+    None skipped; True a bare ``--key``; False skipped; a list expanded; a dict JSON-encoded.
+    """
+    args: list[str] = []
+    for k, v in engine_kwargs.items():
+        if v is None or v is False:
+            continue
+        if v is True:
+            args.append(f"--{k}")
+        elif isinstance(v, list):
+            if v:
+                args += [f"--{k}", *[str(x) for x in v]]
+        else:
+            args += [f"--{k}", json.dumps(v) if isinstance(v, dict) else str(v)]
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# NeMo-RL
+
+
+def nemo_rl_overlay(das: Mapping[str, Any] | None = None, num_speculative_tokens: int = 16, *, pythonpath: str | None = None) -> dict[str, Any]:
+    """The NeMo-RL config keys that turn DAS on (nested under ``policy.generation``)."""
+    gen: dict[str, Any] = {"vllm_kwargs": {"speculative_config": das_speculative_config(num_speculative_tokens),
+                                           "additional_config": {"das": dict(das or {"window": 16, "decay": 0.9, "budget": "cost"})}}}
+    if pythonpath:
+        gen["vllm_cfg"] = {"env_vars": {"PYTHONPATH": pythonpath}}
+    return {"policy": {"generation": gen}}
+
+
+# ----------------------------------------------------------------------------------------------
+# per-request fields (verl agent loop)
+
+
+def das_request_fields(sample: Mapping[str, Any], max_draft_tokens: int | None = None) -> dict[str, Any]:
+    """``SamplingParams.extra_args`` for one rollout from a verl dataset row's fields.
+
+    The problem id is ``"<data_source>/<index>"`` with ``index`` from the row's ``index`` or
+    ``extra_info['index']``; else the GRPO group ``uid``; else none (the proposer then hashes the
+    prompt). Never raises on odd rows.
+    """
+    extra = sample.get("extra_info")
+    index = sample.get("index")
+    if index is None and isinstance(extra, Mapping):
+        index = extra.get("index")
+    out: dict[str, Any] = {}
+    if index is not None:
+        src = sample.get("data_source")
+        out["das_problem_id"] = f"{src}/{index}" if src is not None else str(index)
+    elif sample.get("uid") is not None:
+        out["das_problem_id"] = str(sample["uid"])
+    if max_draft_tokens is not None:
+        out["das_max_draft_tokens"] = int(max_draft_tokens)
+    return out
+
+
+_VERL_LOOP: type | None = None
+
+
+def verl_das_agent_loop(**kwargs: Any):
+    """Hydra ``_target_`` for verl's agent-loop registry: a ``SingleTurnAgentLoop`` that tags requests for DAS.
+
+    Listed in ``recipes/verl/das_agent_loops.yaml`` as ``das_single_turn_agent``. verl is imported
+    here, on first use inside verl's agent-loop worker, never at module import.
+    """
+    global _VERL_LOOP
+    if _VERL_LOOP is None:
+        from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentLoop
+
+        class DASSingleTurnAgentLoop(SingleTurnAgentLoop):
+            async def run(self, sampling_params: dict[str, Any], **kw: Any):
+                return await super().run(with_das_fields(sampling_params, kw), **kw)
+
+        _VERL_LOOP = DASSingleTurnAgentLoop
+    return _VERL_LOOP(**kwargs)
+
+
+def with_das_fields(sampling_params: Mapping[str, Any], sample: Mapping[str, Any], max_draft_tokens: int | None = None) -> dict[str, Any]:
+    """A copy of ``sampling_params`` whose ``extra_args`` carry :func:`das_request_fields` (existing keys kept)."""
+    sp = dict(sampling_params)
+    fields = das_request_fields(sample, max_draft_tokens)
+    if fields:
+        sp["extra_args"] = {**dict(sp.get("extra_args") or {}), **fields}
+    return sp

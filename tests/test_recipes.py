@@ -1,0 +1,177 @@
+"""Recipes: our loop's YAML, and the verl / NeMo-RL overlays, checked without either framework installed."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import types
+
+import pytest
+
+from integrations.recipes import (
+    RECIPES_DIR,
+    Recipe,
+    check_das_engine_kwargs,
+    das_request_fields,
+    load_recipe,
+    load_yaml,
+    nemo_rl_overlay,
+    verl_cli_overrides,
+    verl_overlay,
+    verl_vllm_cli_args,
+    with_das_fields,
+)
+
+
+# ---- our loop
+
+
+@pytest.mark.parametrize("name", ["grpo_dsr_sub", "grpo_leetcode"])
+def test_shipped_loop_recipes_load(name):
+    r = load_recipe(name)
+    assert isinstance(r, Recipe) and r.speculative.method == "das" and r.steps >= 10
+    assert r.data in ("dsr_sub", "leetcode")
+    assert load_recipe(RECIPES_DIR / f"{name}.yaml").to_dict() == r.to_dict()
+
+
+def test_recipe_overrides_and_errors():
+    r = load_recipe("grpo_dsr_sub", ["steps=3", "rollout.samples=4", "speculative.das.window=8", "train.betas=[0.9, 0.95]", "log.json=null"])
+    assert (r.steps, r.rollout.samples, r.speculative.das["window"], r.train.betas, r.log.json) == (3, 4, 8, (0.9, 0.95), None)
+    with pytest.raises(ValueError, match="unknown keys \\['sampels'\\]"):
+        load_recipe({"rollout": {"sampels": 4}})
+    with pytest.raises(ValueError, match="speculative.method"):
+        load_recipe(None, ["speculative.method=eagle"])
+    with pytest.raises(ValueError, match="windw"):
+        load_recipe(None, ["speculative.das.windw=3"])
+    with pytest.raises(ValueError, match="needs speculative.method 'das'"):
+        load_recipe(None, ["scheduler.policy=class", "speculative.method=ngram"])
+    with pytest.raises(ValueError, match="not key=value"):
+        load_recipe(None, ["steps"])
+    with pytest.raises(FileNotFoundError):
+        load_recipe("no_such_recipe")
+    assert load_recipe(None).speculative.das == {"window": 16, "decay": 0.9, "budget": "cost"}
+
+
+# ---- verl
+
+
+def _verl_engine_kwargs():
+    cfg = load_yaml(RECIPES_DIR / "verl" / "das_grpo.yaml")
+    return cfg, cfg["actor_rollout_ref"]["rollout"]["engine_kwargs"]["vllm"]
+
+
+def test_verl_overlay_yaml_matches_the_builder_and_checks():
+    cfg, ek = _verl_engine_kwargs()
+    assert cfg["defaults"] == ["ppo_trainer", "_self_"]
+    assert cfg["hydra"]["searchpath"] == ["pkg://verl.trainer.config"]
+    assert cfg["actor_rollout_ref"]["rollout"]["disable_log_stats"] is False
+    built = verl_overlay()["actor_rollout_ref"]["rollout"]
+    assert built["engine_kwargs"]["vllm"] == ek
+    assert built["agent"] == cfg["actor_rollout_ref"]["rollout"]["agent"]
+    assert check_das_engine_kwargs(ek) == {"window": 16, "decay": 0.9, "budget": "cost"}
+
+
+def test_verl_engine_kwargs_reach_vllm_speculative_and_additional_config():
+    """verl turns engine_kwargs.vllm into `vllm serve` arguments; parse them with vLLM's own parser."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    _, ek = _verl_engine_kwargs()
+    args = verl_vllm_cli_args(ek)
+    assert args[0] == "--speculative_config" and json.loads(args[1])["method"] == "custom_class"
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ea = EngineArgs.from_cli_args(parser.parse_args(["--model", "m", *args]))
+    assert ea.speculative_config == ek["speculative_config"]
+    assert ea.additional_config == ek["additional_config"]
+
+
+def test_verl_cli_overrides_use_plus_for_new_engine_kwargs():
+    ov = verl_cli_overrides(verl_overlay(num_speculative_tokens=8))
+    assert "actor_rollout_ref.rollout.disable_log_stats=false" in ov
+    assert "+actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=8" in ov
+    assert "+actor_rollout_ref.rollout.engine_kwargs.vllm.additional_config.das.window=16" in ov
+    assert "actor_rollout_ref.rollout.agent.default_agent_loop=das_single_turn_agent" in ov
+
+
+def test_check_das_engine_kwargs_rejects_mistakes():
+    with pytest.raises(ValueError, match="custom_class"):
+        check_das_engine_kwargs({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})
+    with pytest.raises(ValueError, match="speculative_config.model"):
+        check_das_engine_kwargs({"speculative_config": {"method": "custom_class", "model": "x.Y", "num_speculative_tokens": 4}})
+    ok = {"method": "custom_class", "model": "integrations.vllm_proposer.DASProposer", "num_speculative_tokens": 4}
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        check_das_engine_kwargs({"speculative_config": {**ok, "num_speculative_tokens": 0}})
+    with pytest.raises(ValueError, match="windw"):
+        check_das_engine_kwargs({"speculative_config": json.dumps(ok), "additional_config": {"das": {"windw": 4}}})
+
+
+def test_das_request_fields_from_verl_rows():
+    assert das_request_fields({"data_source": "deepscaler", "index": 17}) == {"das_problem_id": "deepscaler/17"}
+    assert das_request_fields({"extra_info": {"index": 3}}) == {"das_problem_id": "3"}
+    assert das_request_fields({"uid": "u-1"}, max_draft_tokens=4) == {"das_problem_id": "u-1", "das_max_draft_tokens": 4}
+    assert das_request_fields({}) == {}
+    sp = with_das_fields({"temperature": 1.0, "extra_args": {"kv_transfer_params": 1}}, {"index": 5, "data_source": "d"})
+    assert sp == {"temperature": 1.0, "extra_args": {"kv_transfer_params": 1, "das_problem_id": "d/5"}}
+
+
+def test_verl_agent_loop_adapter_with_a_stand_in_verl(monkeypatch):
+    """The registry entry builds a SingleTurnAgentLoop subclass that adds extra_args (verl replaced by a stub)."""
+    import integrations.recipes as recipes
+
+    seen = {}
+
+    class SingleTurnAgentLoop:  # the part of verl's class the adapter relies on
+        def __init__(self, **kwargs):
+            self.kwargs = kwargs
+
+        async def run(self, sampling_params, **kwargs):
+            seen["sampling_params"] = sampling_params
+            seen["kwargs"] = kwargs
+            return "output"
+
+    names = ["verl", "verl.experimental", "verl.experimental.agent_loop", "verl.experimental.agent_loop.single_turn_agent_loop"]
+    for n in names:
+        monkeypatch.setitem(sys.modules, n, types.ModuleType(n))
+    sys.modules[names[-1]].SingleTurnAgentLoop = SingleTurnAgentLoop
+    monkeypatch.setattr(recipes, "_VERL_LOOP", None)
+
+    entry = load_yaml(RECIPES_DIR / "verl" / "das_agent_loops.yaml")[0]
+    assert entry["name"] == "das_single_turn_agent"
+    module, _, fn = entry["_target_"].rpartition(".")
+    target = getattr(sys.modules[module], fn)
+    loop = target(trainer_config=None, server_manager=None, tokenizer=None)  # what hydra.utils.instantiate does
+    assert isinstance(loop, SingleTurnAgentLoop)
+    out = asyncio.run(loop.run({"temperature": 0.6}, raw_prompt=[], index=9, data_source="deepscaler"))
+    assert out == "output"
+    assert seen["sampling_params"] == {"temperature": 0.6, "extra_args": {"das_problem_id": "deepscaler/9"}}
+    assert seen["kwargs"]["index"] == 9
+
+
+# ---- NeMo-RL
+
+
+def test_nemo_rl_recipe_matches_builder_and_runs_in_vllm(tiny_model):
+    """NeMo-RL spreads policy.generation.vllm_kwargs into vllm.LLM(...): do the same with the recipe's kwargs."""
+    from vllm import SamplingParams, TokensPrompt
+
+    from integrations import control
+    from integrations.engine import make_llm
+    from integrations.grpo import release_engine_state
+
+    cfg = load_yaml(RECIPES_DIR / "nemo_rl" / "grpo_math_1B_das.yaml")
+    assert cfg["defaults"] == "grpo_math_1B.yaml"
+    vk = cfg["policy"]["generation"]["vllm_kwargs"]
+    assert vk == nemo_rl_overlay()["policy"]["generation"]["vllm_kwargs"]
+    assert "PYTHONPATH" in cfg["policy"]["generation"]["vllm_cfg"]["env_vars"]
+    check_das_engine_kwargs(vk)
+    vk = {**vk, "speculative_config": {**vk["speculative_config"], "num_speculative_tokens": 4}}
+    llm = make_llm(tiny_model, "none", dtype="float32", max_model_len=512, **vk)
+    try:
+        outs = llm.generate([TokensPrompt(prompt_token_ids=list(range(3, 40)))], SamplingParams(n=2, temperature=0.8, max_tokens=24), use_tqdm=False)
+        assert len(outs[0].outputs) == 2
+        snap = control.snapshot(llm)[0]
+        assert snap["steps"] > 0 and snap["policy_version"] == 0 and snap["failures"] == 0
+    finally:
+        del llm
+        release_engine_state()

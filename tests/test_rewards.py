@@ -1,0 +1,146 @@
+"""Rewards: math-verify against LaTeX ground truth, sandboxed code execution against unit tests."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from integrations.data import CODE_PRELUDE, Problem
+from integrations.rewards import (
+    code_reward,
+    extract_code,
+    last_boxed,
+    make_reward_fn,
+    math_reward,
+    network_isolation,
+    run_program,
+    score_responses,
+)
+
+TWO_SUM_TESTS = """
+def check(candidate):
+    assert candidate([2, 7, 11, 15], 9) == [0, 1]
+    assert candidate([3, 2, 4], 6) == [1, 2]
+
+check(Solution().twoSum)
+"""
+TWO_SUM_OK = """class Solution:
+    def twoSum(self, nums: List[int], target: int) -> List[int]:
+        seen = {}
+        for i, x in enumerate(nums):
+            if target - x in seen:
+                return [seen[target - x], i]
+            seen[x] = i
+"""
+
+
+def code_problem() -> Problem:
+    return Problem("leetcode/t", [{"role": "user", "content": "two sum"}], None, "code", tests=TWO_SUM_TESTS, source="leetcode", prelude=CODE_PRELUDE)
+
+
+def fenced(code: str) -> str:
+    return f"Here it is:\n```python\n{code}\n```\nDone."
+
+
+# ---- math
+
+
+def test_last_boxed_balances_braces_and_takes_the_last():
+    assert last_boxed(r"first \boxed{1} then \boxed{\frac{3}{7}} end") == r"\frac{3}{7}"
+    assert last_boxed(r"\boxed{ {a}{b} }") == " {a}{b} "
+    assert last_boxed("no box") is None
+    assert last_boxed(r"\boxed{unterminated") is None
+
+
+@pytest.mark.parametrize(
+    "gold,response",
+    [(r"\frac{3}{7}", r"So \boxed{3/7}."), ("2", r"\boxed{2.0}"), (r"\sqrt{2}", r"\boxed{\sqrt 2}"), ("(1,2)", r"\boxed{(1, 2)}"), ("124", r"We get \boxed{124}")],
+)
+def test_math_equivalent_answers_score_one(gold, response):
+    r = math_reward(response, gold)
+    assert r.correct and r.score == 1.0 and r.formatted
+
+
+def test_math_wrong_boxed_gets_format_reward_and_unboxed_gets_nothing():
+    assert math_reward(r"\boxed{6}", "5").score == pytest.approx(0.1)
+    assert math_reward(r"\boxed{6}", "5", format_weight=0.0).score == 0.0
+    r = math_reward("the answer is 5", "5")
+    assert (r.score, r.correct, r.formatted) == (0.0, False, False)
+    assert math_reward("the answer is 5", "5", require_boxed=False).correct
+    assert math_reward(r"\boxed{}", "5").score == 0.0  # empty box is not a format
+    assert math_reward(r"\boxed{5}", None).score == 0.0
+
+
+def test_math_on_dsr_sub_ground_truth(shared_dsr):
+    for p in shared_dsr[:20]:
+        if p.answer:
+            assert math_reward(rf"... \boxed{{{p.answer}}}", p.answer).correct, p.answer
+
+
+@pytest.fixture(scope="module")
+def shared_dsr():
+    from integrations.data import load_verl_parquet, shared_data_dir
+
+    f = shared_data_dir() / "dsr_sub.parquet"
+    if not f.is_file():
+        pytest.skip("shared DSR-sub parquet not present")
+    return load_verl_parquet(f, limit=20)
+
+
+# ---- code
+
+
+def test_extract_code_prefers_last_python_block_and_handles_truncation():
+    assert extract_code("```\nA\n```\n```python\nB\n```\n```text\nC\n```") == "B\n"
+    assert extract_code("```js\nX\n```") == "X\n"
+    assert extract_code("text\n```python\ndef f():\n    return 1") == "def f():\n    return 1"
+    assert extract_code("no code here") is None
+
+
+def test_code_reward_passes_and_fails():
+    p = code_problem()
+    assert code_reward(fenced(TWO_SUM_OK), p).score == 1.0
+    bad = code_reward(fenced("class Solution:\n    def twoSum(self, nums, target):\n        return [0, 0]"), p)
+    assert (bad.correct, bad.formatted, bad.score) == (False, True, pytest.approx(0.1))
+    assert "AssertionError" in bad.detail
+    assert code_reward("I don't know", p).score == 0.0
+
+
+def test_code_runs_in_another_process_with_limits():
+    parent = os.getpid()
+    r = run_program(f"import os\nassert os.getpid() != {parent}\nopen('x.txt','w').write('ok')\n")
+    assert r.passed, r.stderr_tail
+    assert not os.path.exists("x.txt")  # ran in its own temporary directory
+    loop = run_program("while True:\n    pass\n", timeout_s=1.0)
+    assert loop.timed_out and not loop.passed and loop.seconds < 5
+    mem = run_program("x = bytearray(3 << 30)\n", memory_mb=256)
+    assert not mem.passed and "MemoryError" in mem.stderr_tail
+    big = run_program("open('f', 'wb').write(b'0' * (8 << 20))\n", max_file_mb=1)
+    assert not big.passed
+    child = run_program("import os, time\nif os.fork() == 0:\n    time.sleep(30)\ntime.sleep(30)\n", timeout_s=1.0)
+    assert child.timed_out and child.seconds < 5  # the whole process group is killed
+
+
+def test_code_has_no_network_when_isolation_works():
+    if network_isolation() is None:
+        pytest.skip("unshare -n / -rn do not work on this machine: network isolation unavailable")
+    prog = "import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('1.1.1.1', 80))\n"
+    r = run_program(prog, network="require")
+    assert not r.passed and r.network_isolated
+    assert "unreachable" in r.stderr_tail.lower() or "OSError" in r.stderr_tail
+
+
+def test_run_program_rejects_bad_network_mode():
+    with pytest.raises(ValueError):
+        run_program("pass", network="maybe")
+
+
+def test_score_responses_mixes_kinds():
+    math_p = Problem("m/1", [{"role": "user", "content": "1+1"}], "2", "math")
+    code_p = code_problem()
+    fn = make_reward_fn(format_weight=0.05)
+    rs = fn([math_p, code_p, math_p, code_p], [r"\boxed{2}", fenced(TWO_SUM_OK), r"\boxed{3}", "none"])
+    assert [r.score for r in rs] == [1.0, 1.0, pytest.approx(0.05), 0.0]
+    with pytest.raises(ValueError):
+        score_responses([math_p], [])
