@@ -102,6 +102,25 @@ def make_llm(
     return LLM(**kwargs)
 
 
+def release_engine_state() -> None:
+    """Free dropped engines and vLLM's process-wide parallel state, so the next engine starts clean.
+
+    Call it after deleting the last reference to the old ``LLM``: an engine collected only after
+    the next one started shuts down that one's parallel groups ("pipeline model parallel group is
+    not initialized" at its first step).
+    """
+    import gc
+
+    gc.collect()
+    try:
+        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
+
+        destroy_model_parallel()
+        destroy_distributed_environment()
+    except Exception:  # best effort: a fresh engine re-initialises what it needs
+        pass
+
+
 def spec_counters(llm: Any) -> dict[str, float]:
     """Cumulative speculative-decoding counters of an engine.
 

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from integrations import cpu_runtime
+from integrations.engine import release_engine_state
 from integrations.recipes import Recipe, load_recipe
 
 __all__ = [
@@ -434,21 +435,6 @@ class GRPOResult:
     steps: list[dict[str, Any]]
     trainer: Any = None
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def release_engine_state() -> None:
-    """Free a dropped engine and vLLM's process-wide parallel state, so the next engine starts clean.
-
-    Call it after deleting the last reference to the old ``LLM``: an engine object that is
-    collected only after the next one started shuts down that one's parallel groups ("pipeline
-    model parallel group is not initialized" at its first step).
-    """
-    import gc
-
-    gc.collect()
-    from integrations.rollout import _release_engine
-
-    _release_engine(None)
 
 
 def _percentile(xs: Sequence[float], q: float) -> float:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
 import os
 import random
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from integrations import cpu_runtime
-from integrations.engine import METHODS, spec_counters
+from integrations.engine import METHODS, release_engine_state, spec_counters
 from integrations.vllm_proposer import BUDGETS
 
 
@@ -95,18 +94,6 @@ def iteration_prompts(num_problems: int, args: argparse.Namespace) -> list[list[
     return [rng.sample(pool, min(args.prompts, len(pool))) for _ in range(args.iterations)]
 
 
-def _release_engine(llm: Any) -> None:
-    del llm
-    gc.collect()
-    try:
-        from vllm.distributed.parallel_state import destroy_distributed_environment, destroy_model_parallel
-
-        destroy_model_parallel()
-        destroy_distributed_environment()
-    except Exception:  # best effort: a fresh engine re-initialises what it needs
-        pass
-
-
 def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None, rollouts: list | None = None) -> list[IterationResult]:
     """Run every iteration of ``schedule`` with one engine of ``method``; returns one result per iteration.
 
@@ -167,7 +154,8 @@ def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: l
                 progress.update(1)
                 progress.set_postfix_str(f"{method} it{it}: {tokens / wall:.0f} tok/s, {tokens / max(steps, 1):.2f} tok/step")
     finally:
-        _release_engine(llm)
+        del llm  # the last reference, before the parallel state goes
+        release_engine_state()
     return results
 
 
