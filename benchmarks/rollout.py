@@ -302,12 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cpu_runtime.apply_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    if "suffix" in args.methods:
-        try:
-            import arctic_inference.suffix_decoding  # noqa: F401
-        except ImportError:
-            print("benchmarks.rollout: arctic-inference is not installed; skipping 'suffix'", file=sys.stderr)
-            args.methods.remove("suffix")
+    from integrations.engine import drop_unavailable
+
+    args.methods = drop_unavailable(args.methods, "benchmarks.rollout")
     from tqdm import tqdm
 
     out = Path(args.out)

@@ -102,6 +102,20 @@ def make_llm(
     return LLM(**kwargs)
 
 
+def drop_unavailable(methods: list[str], prog: str) -> list[str]:
+    """``methods`` without ``suffix`` when arctic-inference is missing (said on stderr by ``prog``)."""
+    if "suffix" not in methods:
+        return methods
+    try:
+        import arctic_inference.suffix_decoding  # noqa: F401
+    except ImportError:
+        import sys
+
+        print(f"{prog}: arctic-inference is not installed; skipping method 'suffix'", file=sys.stderr)
+        return [m for m in methods if m != "suffix"]
+    return methods
+
+
 def release_engine_state() -> None:
     """Free dropped engines and vLLM's process-wide parallel state, so the next engine starts clean.
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from integrations import cpu_runtime
-from integrations.engine import METHODS, release_engine_state, spec_counters
+from integrations.engine import METHODS, drop_unavailable, release_engine_state, spec_counters
 from integrations.vllm_proposer import BUDGETS
 
 
@@ -193,12 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     from integrations.data import load_problems, render_prompts
     from integrations.models import resolve_model
 
-    if "suffix" in args.methods:
-        try:
-            import arctic_inference.suffix_decoding  # noqa: F401
-        except ImportError:
-            print("das-rollout: arctic-inference is not installed; skipping method 'suffix'", file=sys.stderr)
-            args.methods.remove("suffix")
+    args.methods = drop_unavailable(args.methods, "das-rollout")
     model = resolve_model(args.model)
     problems = load_problems(args.data)
     tokenizer = AutoTokenizer.from_pretrained(model)
