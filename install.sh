@@ -8,6 +8,18 @@ VENV=${DAS_VENV:-.venv}
 if [ -z "${DAS_VLLM:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DAS_VLLM=cuda; else DAS_VLLM=cpu; fi
 fi
+# Code rewards run untrusted code in a bubblewrap sandbox (integrations/rewards.py) and refuse to
+# run without it: install bwrap with apt when it is missing and apt can be used (root, or sudo -n).
+if ! command -v bwrap >/dev/null 2>&1; then
+  SUDO=""
+  [ "$(id -u)" = 0 ] || { command -v sudo >/dev/null 2>&1 && sudo -n true 2>/dev/null && SUDO="sudo -n"; }
+  if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ -n "$SUDO" ]; }; then
+    { $SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq bubblewrap; } >/dev/null 2>&1 \
+      || echo "install.sh: could not install bubblewrap; code rewards will refuse to run until bwrap is installed" >&2
+  else
+    echo "install.sh: bubblewrap (bwrap) is missing and apt-get cannot be used here; install it to score code" >&2
+  fi
+fi
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip

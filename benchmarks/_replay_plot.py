@@ -64,5 +64,7 @@ def write_svg(report: dict[str, Any], path: str | Path) -> Path:
     parts.append("</svg>")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(parts))
+    from integrations.results import write_atomic
+
+    write_atomic(path, "\n".join(parts))
     return path

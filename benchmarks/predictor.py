@@ -59,16 +59,26 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--checkpoints", default="0,0.125,0.25,0.5", help="fractions of max tokens")
     ap.add_argument("--json", type=Path)
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --json file (else refuse before running)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     try:
         cps = tuple(float(c) for c in args.checkpoints.split(","))
     except ValueError:
         raise SystemExit(f"--checkpoints must be comma-separated fractions, got {args.checkpoints!r}")
+    if args.json:
+        from integrations.results import check_output_path
+
+        try:
+            check_output_path(args.json, overwrite=args.overwrite)
+        except ValueError as exc:
+            raise SystemExit(f"predictor: {exc}")
     if args.trace:
         from integrations.trace import read_trace
 
         rows = read_trace(args.trace)
+        if not rows:
+            raise SystemExit(f"predictor: trace {str(args.trace)!r} has no rollouts")
         pids = [r.problem_id for r in rows]
         vers = [r.policy_version for r in rows]
         lens = [min(len(r.output_ids), args.max_tokens) for r in rows]
@@ -81,8 +91,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"rollouts: {len(lens)} from {source}, {len(set(vers))} policy versions, {len(set(pids))} problems")
     print_report(out)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1))
+        from integrations.results import write_atomic
+
+        write_atomic(args.json, json.dumps(out, indent=1))
     return out
 
 

@@ -68,16 +68,24 @@ class TraceRollout:
 def load_trace(path: str | Path) -> list[list[TraceRollout]]:
     """Rollouts of a trace (see :mod:`integrations.trace`), grouped by iteration, in file order.
 
-    Rollouts with an empty output are dropped (nothing to replay)."""
+    Rollouts with an empty output are dropped (nothing to replay).
+
+    Raises:
+        ValueError: naming the path, when the trace has no rollout with output tokens (an empty
+            trace replays nothing, and every rate would divide by zero).
+    """
     from integrations.trace import read_trace
 
     iters: dict[int, list[TraceRollout]] = {}
-    for r in read_trace(path):
+    rows = read_trace(path)
+    for r in rows:
         if not r.output_ids:
             continue
         iters.setdefault(r.iteration, []).append(
             TraceRollout(r.problem_id, np.asarray(r.prompt_ids, np.int32), np.asarray(r.output_ids, np.int32), r.iteration)
         )
+    if not iters:
+        raise ValueError(f"trace {str(path)!r} has nothing to replay: {len(rows)} rollouts, none with output tokens")
     return [iters[i] for i in sorted(iters)]
 
 
@@ -419,6 +427,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trace", default=None, help="rollout trace (parquet); default: the cached DSR-sub trace, recorded if missing")
     p.add_argument("--json", default=None, help="write the report here")
     p.add_argument("--plot", default=None, help="write an SVG plot here (default: next to --json)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --json / --plot files (else refuse before running)")
     p.add_argument("--k", type=int, default=DEFAULT_K, help="K (most draft tokens per step) of the headline comparison")
     p.add_argument("--grid-k", default="4,8,16,32", help="K values of the grid ('' for none)")
     p.add_argument("--grid-window", default="1,2,4,16", help="DAS windows of the grid ('' for none)")
@@ -443,13 +452,27 @@ def main(argv=None) -> int:
     for name, text in (("das", args.das), ("arctic_suffix", args.arctic)):
         if text:
             CONFIGS[name] = json.loads(text)
+    from integrations.results import check_output_path
+
+    plot = args.plot or (str(Path(args.json).with_suffix(".svg")) if args.json else None)
+    try:  # before hours of replay, not after
+        for out in (args.json, plot):
+            if out:
+                check_output_path(out, overwrite=args.overwrite)
+    except ValueError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
     trace = Path(args.trace) if args.trace else default_trace_path()
     if not trace.exists():
         if args.trace or args.no_record:
             print(f"no trace at {trace}", file=sys.stderr)
             return 2
         record_trace(trace, model=args.model)
-    iterations = load_trace(trace)
+    try:
+        iterations = load_trace(trace)
+    except ValueError as exc:
+        print(f"replay: {exc}", file=sys.stderr)
+        return 2
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
     if any(n.startswith("arctic") for n in names):
         try:
@@ -505,10 +528,10 @@ def main(argv=None) -> int:
         report["scale"] = run_scale([int(float(x)) for x in args.scale_tokens.split(",") if x.strip()])
     print(format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        from integrations.results import write_atomic
+
+        write_atomic(args.json, json.dumps(report, indent=1))
         print(f"wrote {args.json}")
-    plot = args.plot or (str(Path(args.json).with_suffix(".svg")) if args.json else None)
     if plot:
         from benchmarks._replay_plot import write_svg
 

@@ -59,6 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="directory for JSON, tables and PNGs")
     p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace result files already in --out (else refuse before running)")
     p.add_argument("overrides", nargs="*", help="extra recipe overrides (section.key=value) for every data set")
     args = p.parse_args(argv)
     args.data = [d.strip() for d in args.data.split(",") if d.strip()]
@@ -133,7 +134,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     tok = AutoTokenizer.from_pretrained(model_dir)
     rs = base.reward
     score = make_reward_fn(format_weight=rs.format_weight, require_boxed=rs.require_boxed, workers=rs.workers,
-                           timeout_s=rs.code_timeout_s, memory_mb=rs.code_memory_mb, network=rs.network)
+                           timeout_s=rs.code_timeout_s, memory_mb=rs.code_memory_mb, network=rs.network, sandbox=rs.sandbox)
 
     def scored(batch):
         texts = [tok.decode(r.output_ids, skip_special_tokens=True) for r in batch.rollouts]
@@ -219,6 +220,24 @@ def format_tables(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+PLOTS = ("rollout_time.png", "rollout_acceptance.png", "rollout_reward.png", "rollout_batch.png")
+
+
+def _save(fig: Any, path: Path) -> None:
+    """``fig.savefig`` as PNG, atomically (a failed write keeps the old file)."""
+    from integrations.results import atomic_output
+
+    with atomic_output(path) as tmp:
+        fig.savefig(tmp, dpi=80, format="png")
+
+
+def output_files(args: argparse.Namespace) -> list[Path]:
+    """Every file a run writes into ``--out``."""
+    out = Path(args.out)
+    files = [out / f"rollout_{d}.json" for d in args.data] + [out / "rollout.md"]
+    return files + ([] if args.no_plots else [out / f for f in PLOTS])
+
+
 def plot(reports: list[dict[str, Any]], out: Path) -> list[Path]:
     """The four PNGs (one column per data set)."""
     import matplotlib
@@ -239,7 +258,7 @@ def plot(reports: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.grid(alpha=0.3)
         axes[0][0].legend(fontsize=8)
         fig.tight_layout()
-        fig.savefig(out / fname, dpi=80)
+        _save(fig, out / fname)
         plt.close(fig)
         files.append(out / fname)
     fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 3.4), squeeze=False)
@@ -259,7 +278,7 @@ def plot(reports: list[dict[str, Any]], out: Path) -> list[Path]:
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "rollout_batch.png", dpi=80)
+    _save(fig, out / "rollout_batch.png")
     plt.close(fig)
     files.append(out / "rollout_batch.png")
     return files
@@ -284,8 +303,7 @@ def plot_training(log: str | Path, out: str | Path) -> Path:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
+    _save(fig, out)
     plt.close(fig)
     return out
 
@@ -307,6 +325,14 @@ def main(argv: list[str] | None = None) -> int:
     args.methods = drop_unavailable(args.methods, "benchmarks.rollout")
     from tqdm import tqdm
 
+    from integrations.results import check_output_path, write_atomic
+
+    try:  # before the run, not after it
+        for f in output_files(args):
+            check_output_path(f, overwrite=args.overwrite)
+    except ValueError as exc:
+        print(f"benchmarks.rollout: {exc}", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     reports = []
@@ -315,10 +341,10 @@ def main(argv: list[str] | None = None) -> int:
         for data in args.data:
             rep = run_dataset(data, args, bar)
             rep["command"] = "python -m benchmarks.rollout " + " ".join(argv if argv is not None else sys.argv[1:])
-            (out / f"rollout_{data}.json").write_text(json.dumps(rep, indent=1))
+            write_atomic(out / f"rollout_{data}.json", json.dumps(rep, indent=1))
             reports.append(rep)
     text = "\n\n".join(format_tables(r) for r in reports)
-    (out / "rollout.md").write_text(text + "\n")
+    write_atomic(out / "rollout.md", text + "\n")
     print(text)
     if not args.no_plots:
         for f in plot(reports, out):

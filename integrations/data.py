@@ -237,6 +237,39 @@ def _package_dir(package: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0])
 
 
+def _messages(raw: Any, where: str, key: str = "prompt") -> list[dict]:
+    """Chat messages of one row, checked: a non-empty list of ``{role: str, content: str}``."""
+    if isinstance(raw, (str, bytes)) or not isinstance(raw, (list, tuple)):
+        raise ValueError(f"{where}: {key!r} must be a list of {{role, content}} messages, got {type(raw).__name__}")
+    if not raw:
+        raise ValueError(f"{where}: {key!r} is empty")
+    out = []
+    for k, m in enumerate(raw):
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: {key}[{k}] must be a {{role, content}} mapping, got {type(m).__name__}")
+        for field in ("role", "content"):
+            if field not in m:
+                raise ValueError(f"{where}: {key}[{k}] has no {field!r}")
+            if m[field] is None:
+                raise ValueError(f"{where}: {key}[{k}].{field} is null")
+            if not isinstance(m[field], str):
+                raise ValueError(f"{where}: {key}[{k}].{field} must be a string, got {type(m[field]).__name__}")
+        out.append({"role": m["role"], "content": m["content"]})
+    return out
+
+
+def _unique_ids(problems: list["Problem"], rows: list[int], path: Path) -> list["Problem"]:
+    seen: dict[str, int] = {}
+    for p, row in zip(problems, rows):
+        if p.problem_id in seen:
+            raise ValueError(
+                f"{str(path)!r} rows {seen[p.problem_id]} and {row} share the problem id {p.problem_id!r} "
+                "(data_source / extra_info.index): ids key the drafter's trees and the length history, "
+                "so they must be unique; fix extra_info.index")
+        seen[p.problem_id] = row
+    return problems
+
+
 def _with_math_instruction(text: str) -> str:
     text = text.rstrip()
     return f"{text} {MATH_INSTRUCTION}"
@@ -286,23 +319,35 @@ def load_verl_parquet(
             f"{str(p)!r} is not a verl RL parquet: missing columns {missing} "
             f"(expected {list(_VERL_COLUMNS)} and optionally extra_info; found {table.column_names})"
         )
+    if table.num_rows == 0:
+        raise ValueError(f"{str(p)!r} has no rows: no problems to train on")
     if limit is not None:
         table = table.slice(0, limit)
     problems: list[Problem] = []
     for row_no, row in enumerate(table.to_pylist()):
+        where = f"{str(p)!r} row {row_no}"
         source = str(row.get("data_source") or p.stem)
-        extra = row.get("extra_info") or {}
-        index = extra.get("index") if isinstance(extra, dict) else None
+        extra = row.get("extra_info")
+        if extra is not None and not isinstance(extra, dict):
+            raise ValueError(f"{where}: 'extra_info' must be a mapping, got {type(extra).__name__}")
+        index = (extra or {}).get("index")
         if index is None:
             index = row_no
-        messages = [
-            {"role": str(m["role"]), "content": str(m["content"])} for m in (row.get("prompt") or [])
-        ]
-        if not messages:
-            raise ValueError(f"{str(p)!r} row {row_no}: empty prompt")
-        ground_truth = (row.get("reward_model") or {}).get("ground_truth")
+        if isinstance(index, float) and index.is_integer():
+            index = int(index)
+        if not isinstance(index, (int, str)) or isinstance(index, bool):
+            raise ValueError(f"{where}: 'extra_info.index' must be an int or a string, got {type(index).__name__}")
+        messages = _messages(row.get("prompt"), where)
+        reward_model = row.get("reward_model")
+        if reward_model is not None and not isinstance(reward_model, dict):
+            raise ValueError(f"{where}: 'reward_model' must be a mapping with 'ground_truth', got {type(reward_model).__name__}")
+        ground_truth = (reward_model or {}).get("ground_truth")
+        if ground_truth is not None and not isinstance(ground_truth, (str, int, float)):
+            raise ValueError(f"{where}: 'reward_model.ground_truth' must be a string, got {type(ground_truth).__name__}")
         ability = str(row.get("ability") or "math").lower()
         if ability.startswith("code") or ability == "coding":
+            if not isinstance(ground_truth, str) or not ground_truth.strip():
+                raise ValueError(f"{where}: a code row needs its tests (source) in 'reward_model.ground_truth'")
             problems.append(
                 Problem(f"{source}/{index}", messages, None, "code", tests=ground_truth, source=source,
                         prelude=CODE_PRELUDE)
@@ -312,7 +357,7 @@ def load_verl_parquet(
             messages[-1] = {**messages[-1], "content": _with_math_instruction(messages[-1]["content"])}
         answer = None if ground_truth is None or not str(ground_truth).strip() else str(ground_truth)
         problems.append(Problem(f"{source}/{index}", messages, answer, "math", None, source))
-    return problems
+    return _unique_ids(problems, list(range(len(problems))), p)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -327,6 +372,12 @@ def _parse_leetcode_tests(raw: Any, where: str) -> str:
             raise ValueError(f"{where}: 'tests' is not a Python literal: {e}") from e
     if not isinstance(raw, dict) or not isinstance(raw.get("functional"), str):
         raise ValueError(f"{where}: expected tests {{'functional': '<source>'}}, got {type(raw).__name__}")
+    if not raw["functional"].strip():
+        raise ValueError(f"{where}: 'tests.functional' is empty")
+    try:
+        compile(raw["functional"], "<tests>", "exec")
+    except SyntaxError as e:
+        raise ValueError(f"{where}: 'tests.functional' is not valid Python: {e}") from e
     return raw["functional"]
 
 
@@ -354,13 +405,22 @@ def load_leetcode_json(path: str | os.PathLike, limit: int | None = None) -> lis
         raise ValueError(f"cannot parse {str(p)!r} as JSON: {e}") from e
     if not isinstance(rows, list):
         raise ValueError(f"{str(p)!r}: expected a JSON list of {{problem, solutions, tests}}, got {type(rows).__name__}")
+    if not rows:
+        raise ValueError(f"{str(p)!r} is an empty list: no problems to train on")
     if limit is not None:
         rows = rows[:limit]
     problems = []
     for i, row in enumerate(rows):
         where = f"{str(p)!r} row {i}"
-        if not isinstance(row, dict) or not isinstance(row.get("problem"), str) or "tests" not in row:
-            raise ValueError(f"{where}: expected an object with 'problem' (str) and 'tests'")
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object with 'problem' (str) and 'tests', got {type(row).__name__}")
+        for key in ("problem", "tests"):
+            if key not in row:
+                raise ValueError(f"{where}: no {key!r}")
+            if row[key] is None:
+                raise ValueError(f"{where}: {key!r} is null")
+        if not isinstance(row["problem"], str) or not row["problem"].strip():
+            raise ValueError(f"{where}: 'problem' must be a non-empty string, got {type(row['problem']).__name__}")
         text = row["problem"]
         if "python" not in text.lower():
             text = f"{text.rstrip()}\n\nWrite the solution in Python, in a markdown code block."

@@ -11,11 +11,15 @@ from typing import Any
 
 from integrations import cpu_runtime
 
-METHODS = ("none", "das", "ngram", "suffix")
+METHODS = ("none", "das", "ngram", "suffix", "suffix-bs")
 PROPOSER_CLASS = "integrations.vllm_proposer.DASProposer"
 # Default K (most draft tokens per row and step). ngram: vLLM's usual prompt-lookup setting;
 # suffix: arctic-inference's own default; das: the same budget as suffix, so acceptance compares.
-DEFAULT_NUM_SPEC_TOKENS = {"das": 16, "ngram": 4, "suffix": 16}
+DEFAULT_NUM_SPEC_TOKENS = {"das": 16, "ngram": 4, "suffix": 16, "suffix-bs": 16}
+# ``suffix-bs``: vLLM suffix decoding with vLLM's own batch-size schedule
+# (``num_speculative_tokens_per_batch_size``, inclusive ranges of running requests -> K): the best a
+# user could configure without us. Full drafts in the tail, fewer in mid-size batches, none at full batch.
+BATCH_SIZE_SCHEDULE = [(1, 4, 16), (5, 16, 8), (17, 1 << 20, 0)]
 
 
 def speculative_config(method: str, num_speculative_tokens: int | None = None) -> dict[str, Any] | None:
@@ -40,6 +44,9 @@ def speculative_config(method: str, num_speculative_tokens: int | None = None) -
         return {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": k}
     if method == "ngram":
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
+    if method == "suffix-bs":
+        return {"method": "suffix", "num_speculative_tokens": k,
+                "num_speculative_tokens_per_batch_size": [(lo, hi, min(k, kk)) for lo, hi, kk in BATCH_SIZE_SCHEDULE]}
     return {"method": "suffix", "num_speculative_tokens": k}
 
 
@@ -49,7 +56,7 @@ def make_llm(
     *,
     num_speculative_tokens: int | None = None,
     das_config: dict[str, Any] | None = None,
-    dtype: str = "bfloat16",
+    dtype: str | None = None,
     max_model_len: int = 2048,
     seed: int = 0,
     **llm_kwargs: Any,
@@ -61,7 +68,8 @@ def make_llm(
         method: ``none`` | ``das`` | ``ngram`` | ``suffix``.
         num_speculative_tokens: K (see :func:`speculative_config`).
         das_config: DAS drafter settings (``additional_config['das']``), das only.
-        dtype: model dtype; float32 for token-for-token greedy identity tests.
+        dtype: model dtype; None decides it from the CPU (:func:`integrations.cpu_runtime.decide`;
+            ``bfloat16`` on CUDA); float32 for token-for-token greedy identity tests.
         max_model_len: tokens (prompt + output) per request.
         seed: engine seed.
         **llm_kwargs: passed to ``vllm.LLM`` (override the defaults here).
@@ -73,12 +81,14 @@ def make_llm(
     spec = speculative_config(method, num_speculative_tokens)
     if das_config and method != "das":
         raise ValueError(f"das_config applies to method 'das' only, got method {method!r}")
-    if method == "suffix":
+    if method in ("suffix", "suffix-bs"):
         try:
             import arctic_inference  # noqa: F401
         except ImportError as exc:
             raise ImportError("method 'suffix' needs arctic-inference (see install.sh)") from exc
-    cpu_runtime.apply_cpu_defaults()
+    chosen = cpu_runtime.apply_cpu_defaults(dtype)
+    if dtype is None:
+        dtype = chosen.dtype if chosen is not None else "bfloat16"
     from integrations import vllm_fixes
 
     vllm_fixes.apply()  # before LLM(): the engine core runs in this process on CPU
@@ -99,20 +109,49 @@ def make_llm(
     if das_config:
         kwargs["additional_config"] = {"das": dict(das_config)}
     kwargs.update(llm_kwargs)
-    return LLM(**kwargs)
+    llm = LLM(**kwargs)
+    _count_spec_decoding(llm)
+    return llm
+
+
+def _count_spec_decoding(llm: Any) -> None:
+    """Keep this engine's own speculative-decoding counters (read by :func:`spec_counters`).
+
+    vLLM's Prometheus metrics are process-wide, and a second engine in the same process
+    unregisters the first one's collectors, so ``llm.get_metrics()`` cannot tell engines apart
+    (das-rollout keeps one engine per method alive side by side). We add up the per-step
+    ``SchedulerStats.spec_decoding_stats`` as the engine records them.
+    """
+    counts = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
+    manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
+    if manager is None:
+        return
+    original = manager.record
+
+    def record(*args: Any, **kwargs: Any):
+        stats = kwargs.get("scheduler_stats", args[0] if args else None)
+        spec = getattr(stats, "spec_decoding_stats", None)
+        if spec is not None:
+            counts["drafts"] += spec.num_drafts
+            counts["draft_tokens"] += spec.num_draft_tokens
+            counts["accepted_tokens"] += spec.num_accepted_tokens
+        return original(*args, **kwargs)
+
+    manager.record = record
+    llm._das_spec_counts = counts
 
 
 def drop_unavailable(methods: list[str], prog: str) -> list[str]:
-    """``methods`` without ``suffix`` when arctic-inference is missing (said on stderr by ``prog``)."""
-    if "suffix" not in methods:
+    """``methods`` without ``suffix``/``suffix-bs`` when arctic-inference is missing (said on stderr by ``prog``)."""
+    if not {"suffix", "suffix-bs"} & set(methods):
         return methods
     try:
         import arctic_inference.suffix_decoding  # noqa: F401
     except ImportError:
         import sys
 
-        print(f"{prog}: arctic-inference is not installed; skipping method 'suffix'", file=sys.stderr)
-        return [m for m in methods if m != "suffix"]
+        print(f"{prog}: arctic-inference is not installed; skipping methods 'suffix' and 'suffix-bs'", file=sys.stderr)
+        return [m for m in methods if m not in ("suffix", "suffix-bs")]
     return methods
 
 
@@ -147,6 +186,9 @@ def spec_counters(llm: Any) -> dict[str, float]:
         "vllm:spec_decode_num_draft_tokens": "draft_tokens",
         "vllm:spec_decode_num_accepted_tokens": "accepted_tokens",
     }
+    own = getattr(llm, "_das_spec_counts", None)
+    if own is not None:
+        return dict(own)
     out = dict.fromkeys(names.values(), 0.0)
     for metric in llm.get_metrics():
         key = names.get(metric.name)

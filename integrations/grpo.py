@@ -44,7 +44,6 @@ import os
 import random
 import sys
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from integrations import cpu_runtime
@@ -475,12 +474,16 @@ def run(
     from integrations.data import load_problems, render_prompts
     from integrations.engine import make_llm
     from integrations.models import resolve_model
-    from integrations.rewards import make_reward_fn, overlong_penalty
+    from integrations.results import check_output_path
+    from integrations.rewards import check_sandbox, make_reward_fn, overlong_penalty
     from integrations.weight_sync import sync_weights
 
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     if isinstance(recipe, Recipe) and overrides:
         rec = load_recipe(recipe.to_dict(), overrides)
+    rec.validate()
+    # Everything that can be checked is checked before the engine starts.
+    log_path = check_output_path(rec.log.json, overwrite=rec.log.overwrite) if rec.log.json else None
     cpu_runtime.apply_cpu_defaults()
     torch.manual_seed(rec.seed)
     model_dir = resolve_model(rec.model)
@@ -488,11 +491,17 @@ def run(
     rng = random.Random(rec.seed)
     pool = list(range(len(problems))) if rec.pool is None else rng.sample(range(len(problems)), min(rec.pool, len(problems)))
     pool = [i for i in pool if problems[i].kind == "code" or problems[i].answer]  # DSR-sub row 265 has no ground truth
+    if len(pool) < rec.rollout.prompts_per_step:
+        raise ValueError(f"data {rec.data!r}: {len(pool)} usable problems (with a ground truth or tests) in the pool, "
+                         f"fewer than rollout.prompts_per_step ({rec.rollout.prompts_per_step})")
+    rs = rec.reward
+    if reward_fn is None and any(problems[i].kind == "code" for i in pool):
+        check_sandbox(network=rs.network, sandbox=rs.sandbox)  # raises SandboxUnavailable saying how to allow it
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompt_cache: dict[int, list[int]] = {}
-    rs = rec.reward
     score = reward_fn or make_reward_fn(format_weight=rs.format_weight, require_boxed=rs.require_boxed, workers=rs.workers,
-                                        timeout_s=rs.code_timeout_s, memory_mb=rs.code_memory_mb, network=rs.network)
+                                        timeout_s=rs.code_timeout_s, memory_mb=rs.code_memory_mb, network=rs.network,
+                                        sandbox=rs.sandbox)
     spec = rec.speculative
     das = spec.method == "das"
     llm = make_llm(model_dir, spec.method, num_speculative_tokens=spec.num_speculative_tokens if spec.method != "none" else None,
@@ -500,9 +509,10 @@ def run(
     trainer = PolicyTrainer(model_dir, rec.train, seed=rec.seed)
     budget = LengthClassBudget(rec.rollout.max_tokens, rec.scheduler) if rec.scheduler.policy == "class" else None
     log_f = None
-    if rec.log.json:
-        Path(rec.log.json).parent.mkdir(parents=True, exist_ok=True)
-        log_f = open(rec.log.json, "w", encoding="utf-8")
+    if log_path is not None:  # streamed to <log>.partial, moved over <log> when the run completes
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        partial = log_path.with_name(log_path.name + ".partial")
+        log_f = open(partial, "w", encoding="utf-8")
         log_f.write(json.dumps({"recipe": rec.to_dict(), "model": model_dir}) + "\n")
     bar = None
     if rec.log.progress:
@@ -583,6 +593,8 @@ def run(
     finally:
         if bar is not None:
             bar.close()
+        if log_f is not None and sys.exc_info()[0] is not None:
+            log_f.close()  # a failed run leaves <log>.partial; an earlier <log> stays as it was
         del llm
         release_engine_state()
     summary = {
@@ -596,6 +608,7 @@ def run(
     if log_f is not None:
         log_f.write(json.dumps({"summary": summary}) + "\n")
         log_f.close()
+        os.replace(partial, log_path)
     return GRPOResult(rec.to_dict(), records, trainer, summary)
 
 

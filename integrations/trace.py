@@ -21,8 +21,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 SCHEMA = pa.schema(
@@ -51,28 +54,84 @@ class Rollout:
     finish_reason: str
 
 
-def write_trace(path: str | Path, rollouts: list[Rollout]) -> Path:
-    """Write ``rollouts`` to a parquet file at ``path`` (parent directories are created)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+def _check_rollout(i: int, r: Any) -> None:
+    if not isinstance(r, Rollout):
+        raise ValueError(f"rollout {i}: expected a Rollout, got {type(r).__name__}")
+    for name in ("iteration", "policy_version", "sample"):
+        v = getattr(r, name)
+        if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"rollout {i}: {name} must be an int >= 0, got {v!r}")
+    for name in ("problem_id", "finish_reason"):
+        if not isinstance(getattr(r, name), str):
+            raise ValueError(f"rollout {i}: {name} must be a string, got {getattr(r, name)!r}")
+    for name in ("prompt_ids", "output_ids"):
+        ids = getattr(r, name)
+        if isinstance(ids, (str, bytes)) or not hasattr(ids, "__len__"):
+            raise ValueError(f"rollout {i}: {name} must be a list of token ids, got {type(ids).__name__}")
+
+
+def write_trace(path: str | Path, rollouts: list[Rollout], *, overwrite: bool = True) -> Path:
+    """Write ``rollouts`` to a parquet file at ``path`` (parent directories are created).
+
+    The file is written next to ``path`` and moved over it only when complete, so a failed write
+    leaves an earlier trace as it was.
+
+    Raises:
+        ValueError: a rollout has a field of the wrong type or a negative count, or ``path``
+            exists and ``overwrite`` is False, or cannot be written (see
+            :func:`integrations.results.check_output_path`).
+    """
+    from integrations.results import atomic_output, check_output_path
+
+    rollouts = list(rollouts)
+    for i, r in enumerate(rollouts):
+        _check_rollout(i, r)
+    path = check_output_path(path, overwrite=overwrite)
     columns = {name: [getattr(r, name) for r in rollouts] for name in SCHEMA.names}
-    pq.write_table(pa.table(columns, schema=SCHEMA), path)
+    try:
+        table = pa.table(columns, schema=SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+        raise ValueError(f"rollouts do not fit the trace schema: {exc}") from None
+    with atomic_output(path) as tmp:
+        pq.write_table(table, tmp)
     return path
 
 
 def read_trace(path: str | Path) -> list[Rollout]:
-    """Read a trace written by :func:`write_trace`.
+    """Read a trace written by :func:`write_trace` (an empty trace gives ``[]``).
 
     Raises:
         FileNotFoundError: no file at ``path``.
-        ValueError: the file lacks a column of :data:`SCHEMA`.
+        ValueError: naming the path: not a parquet file, a column of :data:`SCHEMA` missing or of
+            another type, a null value, or a negative iteration / version / sample.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no rollout trace at {path}")
-    table = pq.read_table(path)
+    try:
+        table = pq.read_table(path)
+    except Exception as exc:  # pyarrow raises ArrowInvalid / OSError for non-parquet input
+        raise ValueError(f"{path} is not a parquet rollout trace: {exc}") from None
     missing = [n for n in SCHEMA.names if n not in table.column_names]
     if missing:
         raise ValueError(f"{path} is not a rollout trace: missing columns {missing}; expected {SCHEMA.names}")
+    for field in SCHEMA:
+        col = table.column(field.name)
+        if not col.type.equals(field.type):
+            try:
+                col = col.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError) as exc:
+                raise ValueError(f"{path}: column {field.name!r} is {col.type}, expected {field.type} ({exc})") from None
+            table = table.set_column(table.column_names.index(field.name), field.name, col)
+        if col.null_count:
+            raise ValueError(f"{path}: column {field.name!r} has {col.null_count} null values")
+        if pa.types.is_list(field.type) and pc.sum(pc.list_value_length(col).is_null()).as_py():
+            raise ValueError(f"{path}: column {field.name!r} has null token lists")
+    for name in ("iteration", "policy_version", "sample"):
+        if table.num_rows and pc.min(table.column(name)).as_py() < 0:
+            raise ValueError(f"{path}: column {name!r} has negative values")
     cols = {n: table.column(n).to_pylist() for n in SCHEMA.names}
+    for name in ("prompt_ids", "output_ids"):
+        if any(t is None for seq in cols[name] for t in seq):
+            raise ValueError(f"{path}: column {name!r} has null token ids")
     return [Rollout(**{n: cols[n][i] for n in SCHEMA.names}) for i in range(table.num_rows)]

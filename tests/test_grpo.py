@@ -221,3 +221,41 @@ def test_sampled_training_matches_in_distribution(peaked_tiny_model):
     for i, what in enumerate(("reward", "length")):
         d = _ks_statistic(pooled["none"][i], pooled["das"][i])
         assert d < crit, f"{what}: KS D={d:.3f} >= {crit:.3f} (n={n})"
+
+
+# ---- checked before the engine starts (issue #13)
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    import integrations.engine
+
+    def refuse(*a, **k):
+        raise AssertionError("an engine was started")
+
+    monkeypatch.setattr(integrations.engine, "make_llm", refuse)
+
+
+def test_an_existing_or_unwritable_log_is_refused_before_anything_starts(tmp_path, no_engine):
+    from integrations.grpo import run
+
+    log = tmp_path / "log.jsonl"
+    log.write_text("an earlier run\n")
+    with pytest.raises(ValueError, match="log.jsonl.*exists"):
+        run(None, overrides=[f"log.json={log}", "model=/nonexistent"])
+    assert log.read_text() == "an earlier run\n"
+    with pytest.raises(ValueError, match="cannot write"):
+        run(None, overrides=["log.json=/proc/das-no-such-dir/log.jsonl", "model=/nonexistent"])
+    with pytest.raises(ValueError, match="code_timeout_s"):
+        run(None, overrides=["reward.code_timeout_s=0"])
+
+
+def test_code_data_without_a_sandbox_stops_before_the_engine(tiny_model, monkeypatch, no_engine):
+    from integrations import rewards
+    from integrations.grpo import run
+
+    real_which = rewards.shutil.which
+    monkeypatch.setattr(rewards.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
+    monkeypatch.setattr(rewards, "_PROBED", {})
+    with pytest.raises(rewards.SandboxUnavailable, match="bubblewrap"):
+        run(None, overrides=[f"model={tiny_model}", "data=humaneval", "pool=8", "log.json=null"])

@@ -16,10 +16,12 @@ MAX_LEN = 64
 
 
 def make_config(das=None, k=K):
+    # Bookkeeping tests draft with the ``fixed`` budget: the default ``cost`` budget measures the
+    # engine's step times first, which a stand-in runner does not have.
     return SimpleNamespace(
         speculative_config=SimpleNamespace(num_speculative_tokens=k),
         model_config=SimpleNamespace(max_model_len=MAX_LEN),
-        additional_config={"das": das} if das is not None else {},
+        additional_config={"das": das if das is not None else {"budget": "fixed"}},
     )
 
 
@@ -188,3 +190,26 @@ def test_length_policies_learn_lengths_from_finished_rollouts():
     assert prop.scheduler.predictor.history_lengths("short-problem").tolist() == [6]
     snap = prop.snapshot()
     assert snap["budget"] == "class" and snap["failures"] == 0
+
+
+@pytest.mark.parametrize("bad", [{"das_max_draft_tokens": "abc"}, {"das_max_draft_tokens": -1}, {"das_problem_id": [1, 2]}])
+def test_a_request_with_bad_options_loses_only_its_own_draft(bad):
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    for rid, extra in (("good", None), ("bad", bad)):
+        eng.add(rid, [1, 2, 3], extra=extra)
+        eng.seqs[rid] += [4, 5, 6, 7, 8, 9, 4, 5]
+    eng.layout(["bad", "good"])
+    drafts = prop.propose([[5], [5]], eng.lens, eng.tokens)
+    assert drafts[0] == [] and len(drafts[1]) > 0  # the good request still drafts
+    assert prop.stats.bad_requests == 1 and prop.stats.failures == 0
+    eng.seqs["bad"] += [6]
+    eng.seqs["good"] += [6]
+    eng.layout(["good", "bad"])  # rows move; the bad request stays isolated
+    drafts = prop.propose([[6], [6]], eng.lens, eng.tokens)
+    assert len(drafts[0]) > 0 and drafts[1] == [] and prop.stats.bad_requests == 1
+    assert "bad" not in prop.drafter._requests
+    eng.finish("bad")
+    eng.layout(["good"])
+    prop.propose([[6]], eng.lens, eng.tokens)
+    assert "bad" not in prop._reqs

@@ -53,6 +53,48 @@ def test_recipe_overrides_and_errors():
     assert load_recipe(None).speculative.das == {"window": 16, "decay": 0.9, "budget": "cost"}
 
 
+@pytest.mark.parametrize("override,match", [
+    ("reward.code_timeout_s=0", r"reward\.code_timeout_s must be a number of seconds in \(0, 3600\], got 0"),
+    ("reward.code_timeout_s=abc", r"reward\.code_timeout_s"),
+    ("speculative.das.window=-1", r"speculative\.das: window must be >= 1"),
+    ("speculative.das.decay=2", r"speculative\.das: decay"),
+    ("scheduler.window=-1", r"scheduler\.window must be an int >= 1"),
+    ("rollout.samples=2.5", r"rollout\.samples must be an int >= 1, got 2\.5"),
+    ("steps=abc", r"steps must be an int >= 1, got 'abc'"),
+    ("rollout.top_p=0", r"rollout\.top_p"),
+    ("rollout.dtype=fp8", r"rollout\.dtype"),
+    ("rollout.max_model_len=100", r"max_model_len \(100\) must exceed rollout\.max_tokens"),
+    ("reward.workers=0", r"reward\.workers"),
+    ("reward.require_boxed=maybe", r"reward\.require_boxed must be true or false"),
+    ("reward.network=open", r"reward\.network"),
+    ("reward.sandbox=none", r"set reward\.network to 'allow'"),
+    ("reward.overlong_buffer=300", r"overlong_buffer \(300\) must be < rollout\.max_tokens"),
+    ("train.betas=[2, 3]", r"train\.betas must be two numbers"),
+    ("train.lr=0", r"train\.lr"),
+    ("log.json=5", r"log\.json must be null or a path"),
+    ("pool=0", r"pool must be null or an int >= 1"),
+])
+def test_recipe_values_are_type_and_range_checked(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_recipe("grpo_dsr_sub", [override])
+
+
+def test_every_recipe_field_has_a_rule():
+    import dataclasses
+
+    from integrations import recipes
+
+    listed = set(recipes._RULES)
+    for f in dataclasses.fields(Recipe):
+        sub = recipes._SUB.get((Recipe, f.name))
+        if sub is None:
+            assert ("", f.name) in listed, f.name
+        else:
+            for g in dataclasses.fields(sub):
+                assert (f.name, g.name) in listed, f"{f.name}.{g.name}"
+    assert load_recipe(None, ["reward.sandbox=none", "reward.network=allow"]).reward.sandbox == "none"
+
+
 # ---- verl
 
 

@@ -97,3 +97,32 @@ def test_main_writes_the_report(tmp_path):
     assert set(rep["targets"]) == {"propose_us_p50", "insert_ns_per_token", "bytes_per_token", "acceptance_length"}
     assert {(e["drafter"], e["k"]) for e in rep["grid"]} >= {("das", 4), ("arctic_suffix", 4), ("ngram", 4)}
     assert out.with_suffix(".svg").read_text().startswith("<svg")
+
+
+# ---- empty traces and result files (issue #13)
+
+
+def test_replaying_an_empty_trace_is_a_clear_error(tmp_path, capsys):
+    empty = tmp_path / "empty.parquet"
+    write_trace(empty, [])
+    with pytest.raises(ValueError, match="empty.parquet.*nothing to replay"):
+        load_trace(empty)
+    no_output = tmp_path / "no_output.parquet"
+    write_trace(no_output, [Rollout(0, 1, "p", 0, [1, 2], [], "length")])
+    with pytest.raises(ValueError, match="nothing to replay"):
+        load_trace(no_output)
+    assert main(["--trace", str(empty), "--no-frontier"]) == 2
+    assert "nothing to replay" in capsys.readouterr().err
+
+
+def test_existing_or_unwritable_report_is_refused_before_the_replay(tmp_path, capsys, monkeypatch):
+    import benchmarks.replay as rp
+
+    trace = _trace(tmp_path)
+    out = tmp_path / "r.json"
+    out.write_text("earlier result")
+    monkeypatch.setattr(rp, "load_trace", lambda path: pytest.fail("the replay started"))
+    assert main(["--trace", str(trace), "--json", str(out)]) == 2
+    assert "exists" in capsys.readouterr().err and out.read_text() == "earlier result"
+    assert main(["--trace", str(trace), "--json", "/proc/das-no-such-dir/r.json"]) == 2
+    assert "cannot write" in capsys.readouterr().err

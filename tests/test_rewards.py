@@ -13,7 +13,6 @@ from integrations.rewards import (
     last_boxed,
     make_reward_fn,
     math_reward,
-    network_isolation,
     run_program,
     score_responses,
 )
@@ -122,11 +121,9 @@ def test_code_runs_in_another_process_with_limits():
     assert child.timed_out and child.seconds < 5  # the whole process group is killed
 
 
-def test_code_has_no_network_when_isolation_works():
-    if network_isolation() is None:
-        pytest.skip("unshare -n / -rn do not work on this machine: network isolation unavailable")
+def test_code_has_no_network():
     prog = "import socket\ns = socket.socket()\ns.settimeout(2)\ns.connect(('1.1.1.1', 80))\n"
-    r = run_program(prog, network="require")
+    r = run_program(prog)
     assert not r.passed and r.network_isolated
     assert "unreachable" in r.stderr_tail.lower() or "OSError" in r.stderr_tail
 

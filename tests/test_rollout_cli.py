@@ -45,3 +45,37 @@ def test_main_job_end_to_end_on_tiny_model(tiny_model, tmp_path):
     assert report["methods"]["none"]["iterations"][0]["acceptance_length"] == 1.0
     rollouts = read_trace(trace)
     assert len(rollouts) == 2 * 2 * 2 and {r.policy_version for r in rollouts} == {1, 2}
+
+
+def test_result_paths_are_checked_before_the_run(tmp_path):
+    existing = tmp_path / "r.json"
+    existing.write_text("{}")
+    with pytest.raises(SystemExit):
+        parse_args(["--json", str(existing)])  # refused: it exists and --overwrite was not given
+    assert parse_args(["--json", str(existing), "--overwrite"]).overwrite
+    with pytest.raises(SystemExit):
+        parse_args(["--trace", "/proc/das/t.parquet"])  # not writable
+    assert existing.read_text() == "{}"
+
+
+def test_tail_is_measured_from_the_90th_percentile_finish():
+    import numpy as np
+
+    from integrations.timed_generate import BatchTimeline, Rollout
+
+    ends = [1.0] * 9 + [5.0]
+    tl = BatchTimeline([Rollout(0, i, [1], "length", t) for i, t in enumerate(ends)], 5.0, np.array([1.0, 5.0]), np.array([1, 0]))
+    assert tl.tail_s(0.9) == 4.0
+    assert tl.tail_s(1.0) == 0.0
+    with pytest.raises(ValueError, match="done_fraction"):
+        tl.tail_s(0.0)
+
+
+def test_kv_cache_size_follows_the_workload(tmp_path):
+    from integrations.rollout import kv_cache_gib
+
+    (tmp_path / "config.json").write_text(json.dumps({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 576, "num_hidden_layers": 30}))
+    # SmolLM2-135M: 2 * 30 layers * 3 heads * 64 * 2 bytes = 23,040 bytes per token in bf16
+    assert kv_cache_gib(str(tmp_path), 64, 1300, "bfloat16") == 3  # 1.25 * 64 * 1300 * 23040 B = 2.23 GiB
+    assert kv_cache_gib(str(tmp_path), 1, 100, "float32") == 1
+    assert kv_cache_gib(str(tmp_path / "missing"), 64, 1300, "bfloat16") == 0

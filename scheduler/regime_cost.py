@@ -1,0 +1,137 @@
+"""Step cost with two regimes, plain and speculative, fitted online (DAS Eq. 1, split by regime).
+
+DAS's Eq. 1 prices a forward pass as ``c_base + c_tok * n_tokens``. On a real engine a step that
+verifies drafts also pays a fixed cost of its own (the rejection sampler, draft bookkeeping,
+the drafter's lookups), and a draft token can cost more than a row's token (its logits are
+sampled and verified too), so one line fitted over both kinds of step prices a plain step wrong
+and makes "draft nothing" look worse than it is. :class:`TwoRegimeCost` fits
+
+    t_plain(B)    = c_base + c_row * B
+    t_spec(B, D)  = c_base + c_spec + c_row * B + c_draft * D
+
+(seconds; ``B`` rows decoding, ``D`` draft tokens verified, ``D > 0``) by non-negative least
+squares over exponentially forgotten sums, with weak pseudo-observations that pull
+``c_draft`` toward ``c_row`` and ``c_spec`` toward 0 until the data say otherwise.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+__all__ = ["TwoRegimeCost"]
+
+_NAMES = ("c_base", "c_row", "c_draft", "c_spec")
+_SCALE = np.array([1.0, 1e-2, 1e-2, 1.0])  # features in units of 100 tokens: well-conditioned sums
+
+
+class TwoRegimeCost:
+    """Online fit of plain and speculative step times.
+
+    Args:
+        forgetting: per-observation weight decay in (0, 1] (0.995: a time constant of ~200 steps).
+        min_plain, min_spec: observations of each regime needed before :attr:`ready`.
+        prior_weight: weight (in observations) of the pseudo-observations ``c_draft = c_row`` and
+            ``c_spec = 0``.
+
+    Raises:
+        ValueError: a bad argument (named in the message).
+    """
+
+    def __init__(self, *, forgetting: float = 0.995, min_plain: int = 6, min_spec: int = 6, prior_weight: float = 2.0):
+        if not 0.0 < forgetting <= 1.0:
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting!r}")
+        if min_plain < 1 or min_spec < 1:
+            raise ValueError(f"min_plain and min_spec must be >= 1, got {min_plain!r}, {min_spec!r}")
+        if not prior_weight >= 0:
+            raise ValueError(f"prior_weight must be >= 0, got {prior_weight!r}")
+        self.forgetting = float(forgetting)
+        self.min_plain, self.min_spec = int(min_plain), int(min_spec)
+        self.prior_weight = float(prior_weight)
+        self._xtx = np.zeros((4, 4))
+        self._xty = np.zeros(4)
+        self._yty = 0.0
+        self.n_plain = self.n_spec = 0
+        self._coef: np.ndarray | None = None
+        self._dirty = True
+
+    def observe(self, rows: int, drafts: int, seconds: float) -> None:
+        """Add one measured step: ``rows`` decoding rows, ``drafts`` draft tokens verified, its wall ``seconds``.
+
+        Raises:
+            ValueError: ``rows < 1``, ``drafts < 0`` or ``seconds`` not finite and > 0.
+        """
+        if rows < 1 or drafts < 0:
+            raise ValueError(f"observe: rows must be >= 1 and drafts >= 0, got rows={rows!r}, drafts={drafts!r}")
+        if not (math.isfinite(seconds) and seconds > 0):
+            raise ValueError(f"observe: seconds must be finite and > 0, got {seconds!r}")
+        x = np.array([1.0, rows, drafts, 1.0 if drafts > 0 else 0.0]) * _SCALE
+        f = self.forgetting
+        self._xtx = f * self._xtx + np.outer(x, x)
+        self._xty = f * self._xty + x * seconds
+        self._yty = f * self._yty + seconds * seconds
+        if drafts > 0:
+            self.n_spec += 1
+        else:
+            self.n_plain += 1
+        self._dirty = True
+
+    @property
+    def ready(self) -> bool:
+        """Both regimes observed often enough and a non-negative fit exists."""
+        return self.n_plain >= self.min_plain and self.n_spec >= self.min_spec and self._solve() is not None
+
+    def _solve(self) -> np.ndarray | None:
+        if not self._dirty:
+            return self._coef
+        self._dirty = False
+        xtx, xty = self._xtx.copy(), self._xty.copy()
+        # Pseudo-observations: (c_draft - c_row) = 0 and c_spec = 0, each with prior_weight.
+        # They only matter while the data cannot separate the coefficients.
+        scale_t = max(self._yty, 1e-12) ** 0.5 / max(self._xtx[0, 0], 1.0) ** 0.5  # seconds per step, typical
+        for row in (np.array([0.0, -1.0, 1.0, 0.0]) * scale_t, np.array([0.0, 0.0, 0.0, 1.0])):
+            xtx += self.prior_weight * np.outer(row, row)
+        best, best_sse = None, math.inf
+        for mask in range(1, 16):
+            if not mask & 1:
+                continue  # c_base always free: a step never costs nothing
+            idx = [i for i in range(4) if mask >> i & 1]
+            a = xtx[np.ix_(idx, idx)]
+            if np.linalg.cond(a) > 1e12:
+                continue
+            sol = np.linalg.solve(a, xty[idx])
+            if np.any(sol < 0):
+                continue
+            full = np.zeros(4)
+            full[idx] = sol
+            sse = self._yty - 2 * full @ xty + full @ xtx @ full
+            if sse < best_sse - 1e-18:
+                best, best_sse = full, sse
+        self._coef = None if best is None else best * _SCALE
+        return self._coef
+
+    def coefficients(self) -> dict[str, float] | None:
+        """``{"c_base", "c_row", "c_draft", "c_spec"}`` in seconds (per row / per draft token), or None before any fit."""
+        coef = self._solve()
+        return None if coef is None else {k: float(v) for k, v in zip(_NAMES, coef)}
+
+    def plain(self, rows: int) -> float:
+        """Predicted seconds of a step with ``rows`` rows and no drafts.
+
+        Raises:
+            RuntimeError: nothing fitted yet.
+        """
+        c = self._require()
+        return float(c[0] + c[1] * rows)
+
+    def speculative(self, rows: int, drafts: np.ndarray) -> np.ndarray:
+        """Predicted seconds of a step with ``rows`` rows and each of ``drafts`` (int array, > 0) draft tokens."""
+        c = self._require()
+        return c[0] + c[3] + c[1] * rows + c[2] * np.asarray(drafts, np.float64)
+
+    def _require(self) -> np.ndarray:
+        coef = self._solve()
+        if coef is None:
+            raise RuntimeError(f"step cost not fitted yet ({self.n_plain} plain, {self.n_spec} speculative steps observed)")
+        return coef

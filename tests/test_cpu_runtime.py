@@ -1,0 +1,58 @@
+"""CPU settings are decided from the CPU (integrations.cpu_runtime.decide), and a user's setting wins."""
+
+import pytest
+
+from integrations.cpu_runtime import CpuInfo, cpu_env, decide
+
+AVX2_AMD = CpuInfo("AuthenticAMD", "AMD EPYC 7B13", frozenset({"avx2", "fma", "f16c"}), 2, 23.0)
+AVX512_INTEL = CpuInfo("GenuineIntel", "Intel Xeon Platinum 8375C", frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}), 2, 23.0)
+AMX_INTEL = CpuInfo("GenuineIntel", "Intel Xeon Platinum 8481C", frozenset({"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}), 2, 23.0)
+ZEN5_BF16 = CpuInfo("AuthenticAMD", "AMD EPYC", frozenset({"avx2", "avx512f", "avx512_bf16"}), 2, 23.0)
+
+
+def test_avx2_amd_gets_float32_and_gnu_openmp():
+    s = decide(AVX2_AMD, env={})
+    assert (s.dtype, s.preload_iomp, s.omp_threads) == ("float32", False, 2)
+    assert "no native bf16" in s.reasons["dtype"]
+
+
+def test_avx512_intel_without_bf16_gets_float32_and_intel_openmp():
+    s = decide(AVX512_INTEL, env={})
+    assert (s.dtype, s.preload_iomp) == ("float32", True)
+
+
+def test_amx_intel_gets_bfloat16_and_intel_openmp():
+    s = decide(AMX_INTEL, env={})
+    assert (s.dtype, s.preload_iomp) == ("bfloat16", True)
+
+
+def test_amd_with_avx512_bf16_gets_bfloat16_without_preload():
+    s = decide(ZEN5_BF16, env={})
+    assert (s.dtype, s.preload_iomp) == ("bfloat16", False)
+
+
+def test_calibration_overrides_the_dtype_rule_and_thread_count():
+    cal = {"us": {"float32": {"1": 900.0, "all": 2500.0}, "bfloat16": {"1": 4000.0, "all": 5000.0}}}
+    s = decide(ZEN5_BF16, cal, env={})
+    assert s.dtype == "float32" and "calibration" in s.reasons["dtype"]
+    assert s.omp_threads == 1 and "calibration" in s.reasons["threads"]
+    assert cpu_env(s)["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+
+
+def test_user_settings_win():
+    env = {"DAS_IOMP": "1", "VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "3"}
+    s = decide(AVX2_AMD, {"us": {"float32": {"1": 1.0, "all": 9.0}, "bfloat16": {"1": 0.5, "all": 0.5}}}, dtype="float32", env=env)
+    assert (s.dtype, s.preload_iomp, s.omp_threads, s.kvcache_gib) == ("float32", True, 1, 3)
+    assert all("user" in why for why in s.reasons.values())
+
+
+def test_kv_cache_follows_memory_and_bad_overrides_are_named():
+    small = CpuInfo("AuthenticAMD", "x", frozenset(), 2, 3.0)
+    assert decide(small, env={}).kvcache_gib == 1
+    assert decide(AVX2_AMD, env={}).kvcache_gib == 5
+    with pytest.raises(ValueError, match="DAS_IOMP"):
+        decide(AVX2_AMD, env={"DAS_IOMP": "yes"})
+    with pytest.raises(ValueError, match="VLLM_CPU_KVCACHE_SPACE"):
+        decide(AVX2_AMD, env={"VLLM_CPU_KVCACHE_SPACE": "lots"})
+    with pytest.raises(ValueError, match="dtype"):
+        decide(AVX2_AMD, dtype="int8", env={})

@@ -1,0 +1,130 @@
+"""Lazy-recovery rejection sampling keeps the target distribution (integrations.lazy_rejection).
+
+Speculative sampling with point-mass drafts must emit, at each position, a token distributed as
+the target distribution ``p``: the first output token of a row is ``~ p_0`` whatever the draft, and
+given the first draft token was accepted the second is ``~ p_1``. We check both with a chi-square
+test over many identical rows, and check greedy rows, bonus tokens and the fallback exactly.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from integrations import lazy_rejection as lazy
+
+
+def _meta(batch, *, greedy_rows=(), generators=None):
+    temperature = torch.ones(batch)
+    temperature[list(greedy_rows)] = 0.0
+    all_greedy = len(greedy_rows) == batch
+    return types.SimpleNamespace(all_greedy=all_greedy, all_random=not greedy_rows, temperature=temperature,
+                                 generators=generators or {})
+
+
+def _chi2(counts: torch.Tensor, probs: torch.Tensor) -> tuple[float, int]:
+    expected = probs * counts.sum()
+    mask = expected > 5
+    stat = float((((counts - expected) ** 2) / expected.clamp(min=1e-12))[mask].sum())
+    return stat, int(mask.sum()) - 1
+
+
+def test_first_token_follows_target_and_second_given_accept():
+    torch.manual_seed(0)
+    vocab, rows = 8, 40000
+    p0_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
+    p1_logits = torch.tensor([0.0, 2.5, -1.0, 1.0, 0.0, 0.0, -2.0, 0.5])
+    p0, p1 = p0_logits.softmax(-1), p1_logits.softmax(-1)
+    drafts = torch.tensor([6, 3] * rows, dtype=torch.int32)  # each row drafts [6, 3]
+    logits = torch.stack([p0_logits, p1_logits] * rows)
+    cu = torch.arange(1, rows + 1, dtype=torch.int32) * 2
+    bonus = torch.full((rows, 1), 7, dtype=torch.int64)
+    out = lazy.rejection_sample(drafts, [2] * rows, 2, cu, None, logits, bonus, _meta(rows))
+    assert out.shape == (rows, 3) and out.dtype == torch.int32
+    first = torch.bincount(out[:, 0].long(), minlength=vocab).float()
+    stat, dof = _chi2(first, p0)
+    assert stat < 30.0, (stat, dof)  # chi2(7) 99.99th percentile is ~29.9
+    accepted = out[:, 0] == 6
+    second = torch.bincount(out[accepted, 1].long(), minlength=vocab).float()
+    stat, dof = _chi2(second, p1)
+    assert stat < 30.0, (stat, dof)
+    both = accepted & (out[:, 1] == 3)
+    assert torch.all(out[both, 2] == 7)  # every draft accepted: the bonus token follows
+    assert torch.all(out[~both, 2] == lazy.PLACEHOLDER_TOKEN_ID)
+    assert torch.all(out[~accepted, 1] == lazy.PLACEHOLDER_TOKEN_ID)
+
+
+def test_a_biased_sampler_would_fail_the_same_check():
+    # The check above can fail: tokens drawn at the wrong temperature are caught.
+    torch.manual_seed(1)
+    p0_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
+    wrong = torch.multinomial((p0_logits / 0.7).softmax(-1), 40000, replacement=True)
+    stat, _ = _chi2(torch.bincount(wrong, minlength=8).float(), p0_logits.softmax(-1))
+    assert stat > 30.0
+
+
+def test_rows_without_drafts_get_their_bonus_token_only():
+    logits = torch.randn(0, 10)
+    bonus = torch.tensor([[4], [5], [6]])
+    out = lazy.rejection_sample(torch.zeros(0, dtype=torch.int32), [0, 0, 0], 0, torch.zeros(3, dtype=torch.int32),
+                                None, logits, bonus, _meta(3))
+    assert out.tolist() == [[4], [5], [6]]
+
+
+def test_greedy_rows_accept_argmax_prefix_then_emit_argmax():
+    torch.manual_seed(2)
+    logits = torch.randn(5, 10)
+    argmax = logits.argmax(-1)
+    drafts = argmax.clone()
+    drafts[3] = (drafts[3] + 1) % 10  # row 2 mismatches at its second position
+    cu = torch.tensor([2, 2, 5], dtype=torch.int32)
+    bonus = torch.tensor([[7], [8], [9]])
+    out = lazy.rejection_sample(drafts.to(torch.int32), [2, 0, 3], 3, cu, None, logits, bonus, _meta(3, greedy_rows=(0, 1, 2)))
+    assert out[0].tolist() == [argmax[0].item(), argmax[1].item(), 7, -1]
+    assert out[1].tolist() == [8, -1, -1, -1]
+    assert out[2].tolist() == [argmax[2].item(), argmax[3].item(), -1, -1]
+
+
+def test_mixed_greedy_and_random_rows():
+    torch.manual_seed(3)
+    logits = torch.full((2, 6), -30.0)
+    logits[0, 2] = 30.0  # greedy row 0: argmax 2, draft 2 -> accepted
+    logits[1, 4] = 30.0  # random row 1: p(4) ~ 1, draft 1 -> rejected, recovered is almost surely 4
+    drafts = torch.tensor([2, 1], dtype=torch.int32)
+    out = lazy.rejection_sample(drafts, [1, 1], 1, torch.tensor([1, 2], dtype=torch.int32), None, logits,
+                                torch.tensor([[5], [5]]), _meta(2, greedy_rows=(0,)))
+    assert out.tolist() == [[2, 5], [4, -1]]
+
+
+def test_draft_probabilities_and_seeded_requests_go_to_the_fallback():
+    calls = []
+
+    def fallback(*args, **kwargs):
+        calls.append(args)
+        return torch.zeros(1, 2, dtype=torch.int32)
+
+    saved = lazy._fallback
+    lazy.set_fallback(fallback)
+    try:
+        logits = torch.randn(1, 4)
+        args = (torch.tensor([1], dtype=torch.int32), [1], 1, torch.tensor([1], dtype=torch.int32))
+        lazy.rejection_sample(*args, torch.full((1, 4), 0.25), logits, torch.tensor([[0]]), _meta(1))
+        lazy.rejection_sample(*args, None, logits, torch.tensor([[0]]), _meta(1, generators={0: torch.Generator()}))
+    finally:
+        lazy.set_fallback(saved)
+    assert len(calls) == 2
+
+
+def test_installed_into_vllm_on_the_cpu_build():
+    pytest.importorskip("vllm")
+    from integrations import vllm_fixes
+    from integrations.cpu_runtime import is_cpu_build
+
+    if not is_cpu_build() or vllm_fixes.vllm_version() not in vllm_fixes.TESTED_VLLM_VERSIONS:
+        pytest.skip("fixes apply to the tested CPU build only")
+    assert vllm_fixes.apply()
+    from vllm.v1.sample import rejection_sampler
+
+    assert rejection_sampler.rejection_sample is lazy.rejection_sample

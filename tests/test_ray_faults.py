@@ -1,0 +1,124 @@
+"""Ray driver faults without vLLM: a stand-in worker (same methods as RolloutWorker) on real Ray.
+
+A worker lost between iterations is replaced; a hung (SIGSTOPped) worker's groups are
+re-dispatched after the task deadline; a batch that keeps getting lost ends in a clear error.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from integrations.ray_rollout import Group, RayRolloutDriver  # noqa: E402
+
+
+class EchoWorker:
+    """Deterministic 'rollouts': sample j of a group is [prompt[0], j, version] * 3, after a short pause."""
+
+    def __init__(self, model, method, engine_kwargs):
+        self.version = 0
+        self.delay = float(engine_kwargs.get("delay", 0.3))
+        self.stall = set(engine_kwargs.get("stall", ()))
+
+    def begin_iteration(self, policy_version):
+        self.version = policy_version
+
+    def generate(self, groups, sampling, seed):
+        time.sleep(self.delay)
+        if any(g.group_id in self.stall for g in groups):
+            time.sleep(3600)
+        return {g.group_id: [[g.prompt_ids[0], j, self.version] * 3 for j in range(g.n)] for g in groups}
+
+    def pid(self):
+        return os.getpid()
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def groups(k, n=2):
+    return [Group(f"g{i}", f"p{i}", [100 + i, 1, 2], n) for i in range(k)]
+
+
+def expected(gs, version):
+    return {g.group_id: [[g.prompt_ids[0], j, version] * 3 for j in range(g.n)] for g in gs}
+
+
+def make_driver(**kw):
+    engine = kw.pop("engine_kwargs", {})
+    return RayRolloutDriver("unused", "none", kw.pop("num_workers", 2), worker_cls=EchoWorker, engine_kwargs=engine,
+                            num_cpus_per_worker=0.5, **kw)
+
+
+def test_a_worker_lost_between_iterations_is_replaced(ray_session):
+    drv = make_driver(task_timeout_s=30, start_timeout_s=30)
+    try:
+        gs = groups(4)
+        assert drv.run_iteration(gs, policy_version=1) == expected(gs, 1)
+        ray.kill(drv.workers[0])  # dies while nobody is looking
+        time.sleep(0.5)
+        assert drv.run_iteration(gs, policy_version=2) == expected(gs, 2)
+        assert drv.replaced_workers == 1 and all(drv.alive)
+    finally:
+        drv.shutdown()
+
+
+def test_a_worker_hung_between_iterations_is_replaced(ray_session):
+    drv = make_driver(task_timeout_s=30, begin_timeout_s=3)
+    try:
+        gs = groups(4)
+        drv.run_iteration(gs, policy_version=1)
+        os.kill(ray.get(drv.workers[1].pid.remote()), signal.SIGSTOP)
+        t0 = time.monotonic()
+        assert drv.run_iteration(gs, policy_version=2) == expected(gs, 2)
+        assert drv.replaced_workers == 1 and drv.hung_workers == 1 and time.monotonic() - t0 < 20
+    finally:
+        drv.shutdown()
+
+
+def test_a_hung_worker_mid_iteration_has_its_groups_redispatched(ray_session):
+    drv = make_driver(task_timeout_s=2, engine_kwargs={"delay": 1.0})
+    try:
+        gs = groups(6)
+        stopped = []
+        pid0 = ray.get(drv.workers[0].pid.remote())  # asked now: mid-iteration it would queue behind generate
+
+        def stop_worker_zero(d, assignment):
+            os.kill(pid0, signal.SIGSTOP)
+            stopped.append(int((assignment == 0).sum()))
+
+        t0 = time.monotonic()
+        out = drv.run_iteration(gs, policy_version=3, on_dispatch=stop_worker_zero)
+        assert out == expected(gs, 3)
+        assert stopped[0] > 0 and drv.redispatched_groups == stopped[0] and drv.hung_workers == 1
+        assert time.monotonic() - t0 < 20
+        again = drv.run_iteration(gs, policy_version=4)  # the hung worker was replaced
+        assert again == expected(gs, 4) and drv.replaced_workers >= 1 and all(drv.alive)
+    finally:
+        drv.shutdown()
+
+
+def test_a_batch_that_keeps_hanging_ends_in_a_clear_error(ray_session):
+    drv = make_driver(task_timeout_s=1, max_redispatch=1, engine_kwargs={"delay": 0.0, "stall": ["g0"]})
+    try:
+        with pytest.raises(RuntimeError, match="g0.*max_redispatch=1"):
+            drv.run_iteration(groups(2), policy_version=1)
+    finally:
+        drv.shutdown()
+
+
+def test_bad_driver_settings_are_refused(ray_session):
+    for kw in ({"task_timeout_s": 0}, {"start_timeout_s": -1}, {"begin_timeout_s": 0}, {"max_redispatch": -1}, {"num_workers": 0}):
+        with pytest.raises(ValueError):
+            make_driver(**kw)
