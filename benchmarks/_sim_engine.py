@@ -1,23 +1,36 @@
-"""One GPU of the long-tail simulator: continuous batching with speculation, step by step.
+"""GPUs of the long-tail simulator: continuous batching with speculation, step by step.
 
 The step loop runs in numba (:func:`_run_steps`); between calls Python re-plans the per-request
-draft caps with a :class:`scheduler.SpeculationScheduler` (every ``replan_every`` steps, and
-after any request finished, was admitted or was preempted).
+draft caps with a policy (:mod:`benchmarks._sim_policy`; every ``replan_every`` steps, and after any
+request finished, was admitted or was preempted) and, for the ``rebalance`` placement, moves
+requests between GPUs at common time boundaries (:mod:`benchmarks._sim_place`).
 
-One engine step (vLLM V1-like, all requests arrive at time 0):
+One engine step (vLLM V1-like; all requests arrive at time 0):
 
-1. Admit waiting requests (preempted ones first, most recently preempted first; then in arrival
-   order) while fewer than ``max_seqs`` run and their KV cache (prompt + generated tokens) fits in
-   ``kv_capacity * (1 - watermark)``; an admitted request is prefilled (prompt + tokens generated
-   before a preemption: recompute) and samples one token in this step, without a draft.
-2. ``n_tokens = prefill tokens + sum over running requests of (1 + cap_i)``; the step takes
-   ``c_base + c_tok * n_tokens + c_ctx * context_tokens`` seconds (context = KV tokens of the
-   running requests).
-3. A running request offered ``d = cap_i`` drafts advances ``tau_i(d)`` tokens (expected value of
-   the Eq. 3 model per step, :func:`scheduler.tokens_per_step`; fractional, deterministic); it
-   finishes when it reaches its length.
-4. If the running requests' KV cache exceeds ``kv_capacity``, the most recently admitted ones are
-   preempted (vLLM's recompute preemption) until it fits.
+Re-planning: static policies at every event; dynamic ones every ``replan_every`` steps, and
+at events (a finish, an admission, a preemption) only when they ask for it (``das`` while its
+batch gate is closed, so that it opens at the step the batch falls to the gate). A row admitted
+between re-plans keeps cap 0 until the next one.
+
+1. Every running request needs one KV slot for the token it samples; while they do not fit, the
+   most recently admitted request is preempted (recompute: its KV is dropped, it goes to the front
+   of the waiting queue and is prefilled again, prompt + generated tokens, when re-admitted).
+2. Drafts: a policy caps each running row at ``caps[i]`` tokens. A batch gate (no drafts while
+   more than ``gate`` rows run) and a per-step quota (``quota_mode`` 1: a fixed number of draft
+   tokens; 2: the roofline knee, :meth:`Roofline.free_draft_tokens`) are spent in the policy's
+   priority order. KV-aware (``kv_aware``): the step's drafts also fit in the free KV slots, so no
+   draft ever forces a preemption; otherwise (vLLM's own behaviour) drafts that do not fit preempt
+   the newest requests like any other slot demand.
+3. Admission (only in a step without preemption): waiting requests in queue order while fewer than
+   ``max_seqs`` run and their prompt (+ generated tokens) fits under ``kv_capacity * (1 -
+   watermark)``; an admitted request is prefilled and samples one token in this step, no draft.
+4. Cost (:class:`benchmarks._sim_workload.Roofline`): ``launch + max(compute, memory)`` over the
+   step's tokens (sampled + drafted + prefilled), attention pairs and KV traffic, plus the
+   drafter's CPU time (``drafter_s_per_row`` x running rows) when the policy speculates.
+5. Advance: a row offered ``d`` drafts advances ``tau(d)`` tokens (expected value): outside a loop
+   the Eq. 3-4 per-step value for its base acceptance and the siblings finished on this GPU
+   (``tau_tab[i, c, d]``), inside its loop ``tau_loop[d]``
+   (:class:`benchmarks._sim_workload.AcceptanceModel`). It finishes at its length.
 """
 
 from __future__ import annotations
@@ -27,229 +40,413 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from scheduler import LengthPredictor, SpeculationScheduler, tokens_per_step
+from benchmarks._sim_workload import Roofline
 
 WAITING, RUNNING, DONE = 0, 1, 2
+POS_BINS = 16  # acceptance statistics: bins of the position in the rollout over [0, max_tokens]
+
+
+@numba.njit(cache=True)
+def roofline_time(tokens, attn_pairs, kv_tokens, launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, additive=False):
+    """Seconds of one step (see :meth:`Roofline.step_time`); ``additive``: compute + memory
+    instead of their maximum (the old model, for comparison)."""
+    comp = (f_tok * tokens + f_attn * attn_pairs) / flops
+    mem = (w_bytes + kv_b * kv_tokens) / bw
+    if additive:
+        return launch + comp + mem
+    return launch + max(comp, mem)
+
+
+@numba.njit(cache=True)
+def allot_drafts(want, order, running, budget):
+    """Draft tokens per row under a total ``budget`` (tokens), spent on the rows' wanted drafts
+    ``want`` in ``order`` (row indices, highest priority first); rows not ``running`` get none; the
+    last row served may get a part. Returns float64 drafts per row."""
+    out = np.zeros(want.size)
+    left = max(budget, 0.0)
+    for j in range(order.size):
+        if left <= 0:
+            break
+        i = order[j]
+        if not running[i] or want[i] <= 0:
+            continue
+        g = want[i] if want[i] <= left else left
+        out[i] = g
+        left -= g
+    return out
+
+
+@numba.njit(cache=True)
+def _newest_running(mem, status, stamp):
+    victim = -1
+    vs = -1
+    for j in range(mem.size):
+        i = mem[j]
+        if status[i] == 1 and stamp[i] > vs:
+            vs = stamp[i]
+            victim = i
+    return victim
 
 
 @numba.njit(cache=True)
 def _run_steps(
-    length, prompt, gen, status, stamp, wait_key, caps, tau, drafted, accepted, steps, finish,
-    t0, c_base, c_tok, c_ctx, kv_cap, max_seqs, watermark, max_steps, counters,
-    rec_t, rec_b, rec_n, rec_ctx, rec_dt, rec_off,
+    mem, length, prompt, loop_at, grp, gen, status, stamp, wait_key, caps, order, tau_tab, tau_loop, nat_draft,
+    drafted, accepted, steps, finish, grp_done, stats_pos, stats_sib,
+    t0, t_stop, max_steps, kv_cap, max_seqs, watermark,
+    launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, drafter_s_row, spec_on,
+    kv_aware, quota_mode, quota_fixed, gate, max_tokens, additive,
+    counters, rec_t, rec_b, rec_n, rec_ctx, rec_dt, rec_off,
 ):  # fmt: skip
     n = length.size
+    n_sib = tau_tab.shape[1]
+    nbins = stats_pos.shape[1]
+    d_step = np.zeros(n)
+    want = np.zeros(n)
+    kmax = tau_tab.shape[2] - 1
     fresh = np.zeros(n, np.bool_)
+    run_mask = np.zeros(n, np.bool_)
     t = t0
     s = 0
-    while s < max_steps and rec_off + s < rec_t.size:
+    while s < max_steps and rec_off + s < rec_t.size and t < t_stop:
         event = False
         ctx = 0.0
         nrun = 0
-        for i in range(n):
+        nwait = 0
+        for j in range(mem.size):
+            i = mem[j]
+            fresh[i] = False
+            d_step[i] = 0
             if status[i] == 1:
                 ctx += prompt[i] + gen[i]
                 nrun += 1
-        prefill = 0.0
-        while nrun < max_seqs:
-            best = -1
-            bk = np.inf
-            for i in range(n):
-                if status[i] == 0 and wait_key[i] < bk:
-                    bk = wait_key[i]
-                    best = i
-            if best < 0:
-                break
-            need = prompt[best] + gen[best]
-            if nrun > 0 and ctx + need > kv_cap * (1.0 - watermark):
-                break
-            status[best] = 1
-            stamp[best] = counters[0]
-            counters[0] += 1
-            fresh[best] = True
-            prefill += need
-            ctx += need
-            nrun += 1
-            event = True
-        if nrun == 0:
+            elif status[i] == 0:
+                nwait += 1
+        if nrun == 0 and nwait == 0:
             break
-        ntok = prefill
-        for i in range(n):
-            if status[i] == 1:
-                ntok += 1.0
-                if not fresh[i]:
-                    ntok += caps[i]
-        dt = c_base + c_tok * ntok + c_ctx * ctx
-        for i in range(n):
+        # 1. one slot per running row
+        preempted = False
+        while nrun > 1 and ctx + nrun > kv_cap:
+            v = _newest_running(mem, status, stamp)
+            status[v] = 0
+            counters[1] += 1
+            wait_key[v] = -float(counters[1])
+            ctx -= prompt[v] + gen[v]
+            nrun -= 1
+            preempted = True
+            event = True
+        if nrun == 1 and ctx + 1 > kv_cap:
+            counters[2] = 1  # one request alone does not fit: the KV capacity is too small
+            break
+        # 2. drafts: a row wants min(cap, what the drafter proposes: nat_draft outside a loop, K in it)
+        ndraft = 0.0
+        if spec_on and nrun > 0 and (gate < 0 or nrun <= gate):
+            budget = 1e18
+            if quota_mode == 1:
+                budget = quota_fixed
+            elif quota_mode == 2:
+                m_t = (w_bytes + kv_b * (ctx + nrun)) / bw
+                c_t = (f_tok * nrun + f_attn * ctx) / flops
+                per = (f_tok + f_attn * ctx / nrun) / flops
+                budget = max(0.0, (m_t - c_t) / per)
+            if kv_aware:  # the drafts' slots, and the next step's sampled tokens after them, fit
+                budget = min(budget, kv_cap - ctx - 2.0 * nrun)
+            for j in range(mem.size):
+                i = mem[j]
+                run_mask[i] = status[i] == 1
+                w = float(min(caps[i], kmax))
+                if gen[i] < loop_at[i] and w > nat_draft:
+                    w = nat_draft
+                want[i] = w if run_mask[i] else 0.0
+            if budget >= 1e17:
+                for j in range(mem.size):
+                    i = mem[j]
+                    d_step[i] = want[i]
+            else:
+                d_step[:] = allot_drafts(want, order, run_mask, budget)
+            for j in range(mem.size):
+                ndraft += d_step[mem[j]]
+        if not kv_aware:  # drafts that do not fit preempt the newest requests (vLLM)
+            while nrun > 1 and ctx + nrun + ndraft > kv_cap:
+                v = _newest_running(mem, status, stamp)
+                status[v] = 0
+                counters[1] += 1
+                wait_key[v] = -float(counters[1])
+                ctx -= prompt[v] + gen[v]
+                ndraft -= d_step[v]
+                d_step[v] = 0.0
+                nrun -= 1
+                preempted = True
+                event = True
+        # 3. admission
+        prefill = 0.0
+        attn = 0.0
+        if not preempted:
+            used = ctx + nrun + ndraft
+            while nrun < max_seqs:
+                best = -1
+                bk = np.inf
+                for j in range(mem.size):
+                    i = mem[j]
+                    if status[i] == 0 and wait_key[i] < bk:
+                        bk = wait_key[i]
+                        best = i
+                if best < 0:
+                    break
+                need = prompt[best] + gen[best]
+                if used + need + 1 > kv_cap * (1.0 - watermark):
+                    if nrun == 0:
+                        counters[2] = 1
+                    break
+                status[best] = 1
+                stamp[best] = counters[0]
+                counters[0] += 1
+                fresh[best] = True
+                prefill += need
+                attn += 0.5 * need * need
+                used += need + 1
+                nrun += 1
+                event = True
+        if counters[2] != 0 or nrun == 0:
+            break
+        # 4. cost
+        qtok = 0.0
+        kvread = 0.0
+        for j in range(mem.size):
+            i = mem[j]
+            if status[i] == 1 and not fresh[i]:
+                q = 1.0 + d_step[i]
+                c_i = prompt[i] + gen[i]
+                qtok += q
+                attn += q * c_i
+                kvread += c_i
+        tokens = qtok + prefill
+        dt = roofline_time(tokens, attn, kvread + tokens, launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, additive)
+        if spec_on:
+            dt += drafter_s_row * nrun
+        # 5. advance
+        for j in range(mem.size):
+            i = mem[j]
+            run_mask[i] = False
             if status[i] != 1:
                 continue
-            d = 0 if fresh[i] else caps[i]
-            adv = tau[i, d]
+            d = d_step[i]
+            if fresh[i]:
+                adv = 1.0
+            else:
+                b = int(gen[i] * nbins / max_tokens)
+                if b >= nbins:
+                    b = nbins - 1
+                d0 = int(d)
+                fr = d - d0
+                d1 = d0 + 1 if d0 < kmax else d0
+                if gen[i] >= loop_at[i]:
+                    adv = (1.0 - fr) * tau_loop[d0] + fr * tau_loop[d1]
+                    lp = 1
+                else:
+                    c = grp_done[grp[i]]
+                    if c > n_sib - 1:
+                        c = n_sib - 1
+                    adv = (1.0 - fr) * tau_tab[i, c, d0] + fr * tau_tab[i, c, d1]
+                    lp = 0
+                    stats_sib[c, 0] += 1
+                    stats_sib[c, 1] += d
+                    stats_sib[c, 2] += adv - 1.0
+                stats_pos[lp, b, 0] += 1
+                stats_pos[lp, b, 1] += d
+                stats_pos[lp, b, 2] += adv - 1.0
             if gen[i] + adv >= length[i] - 1e-9:
                 adv = length[i] - gen[i]
                 status[i] = 2
                 finish[i] = t + dt
+                run_mask[i] = True  # finished in this step
                 event = True
             gen[i] += adv
             drafted[i] += d
-            accepted[i] += max(adv - 1.0, 0.0)
+            accepted[i] += max(min(adv - 1.0, d), 0.0)
             steps[i] += 1
-            fresh[i] = False
+        for j in range(mem.size):
+            i = mem[j]
+            if run_mask[i]:
+                grp_done[grp[i]] += 1
+                run_mask[i] = False
         t += dt
         rec_t[rec_off + s] = t
         rec_b[rec_off + s] = nrun
-        rec_n[rec_off + s] = ntok
-        rec_ctx[rec_off + s] = ctx
+        rec_n[rec_off + s] = tokens
+        rec_ctx[rec_off + s] = kvread
         rec_dt[rec_off + s] = dt
         s += 1
-        # preempt (recompute) the most recently admitted requests until the KV cache fits
-        ctx2 = 0.0
-        nrun2 = 0
-        for i in range(n):
-            if status[i] == 1:
-                ctx2 += prompt[i] + gen[i]
-                nrun2 += 1
-        while ctx2 > kv_cap and nrun2 > 1:
-            victim = -1
-            vs = -1
-            for i in range(n):
-                if status[i] == 1 and stamp[i] > vs:
-                    vs = stamp[i]
-                    victim = i
-            status[victim] = 0
-            counters[1] += 1
-            wait_key[victim] = -float(counters[1])
-            ctx2 -= prompt[victim] + gen[victim]
-            nrun2 -= 1
-            event = True
         if event:
             break
     return s, t
 
 
 @dataclass
-class GpuResult:
-    """What one GPU did in one iteration (times in seconds, tokens in tokens)."""
+class EngineParams:
+    """Engine, cost and drafting constants of the simulation (seconds, tokens)."""
 
-    makespan_s: float
-    steps: int
-    tokens: float
-    drafted: float
-    accepted: float
-    preemptions: int
-    finish_s: np.ndarray  # per request
-    rec_t: np.ndarray  # end time of each step
-    rec_batch: np.ndarray  # running requests in each step
-    cost_fit: dict | None = None
-    extra: dict = field(default_factory=dict)
-
-
-@dataclass
-class SimParams:
-    """Engine and cost constants of the simulation (seconds, tokens)."""
-
-    c_base: float
-    c_tok: float
-    c_ctx: float
-    kv_capacity_tokens: float
+    roof: Roofline
     max_seqs: int = 1024  # vLLM V1 default on >= 70 GiB GPUs
     watermark: float = 0.01
     max_draft: int = 16
     replan_every: int = 16
-    timing_noise: float = 0.05  # relative noise of the step times the cost model observes
-    max_records: int = 400_000
+    drafter_ms_per_256: float = 1.0  # drafter CPU time per step at 256 rows (linear in rows)
+    timing_noise: float = 0.05  # relative noise of the step times a cost model observes
+    kv_aware: bool = True  # no draft forces a preemption (all speculative policies)
+    max_tokens: int = 16384
+    additive_cost: bool = False  # compute + memory instead of max (the old model; ablation only)
+
+    @property
+    def kv_capacity_tokens(self) -> float:
+        return float(self.roof.kv_capacity_tokens)
 
 
-def simulate_gpu(
-    lengths: np.ndarray,
-    prompts: np.ndarray,
-    k: np.ndarray,
-    a: np.ndarray,
-    problem_idx: np.ndarray,
-    scheduler: SpeculationScheduler,
-    params: SimParams,
-    *,
-    oracle: bool = False,
-    seed: int = 0,
-) -> GpuResult:
-    """Simulate one GPU's requests of one rollout iteration (all arrive at time 0).
+@dataclass
+class Requests:
+    """The requests being simulated (flat arrays, one entry per request) and their mutable state."""
 
-    Args:
-        lengths: int ``[n]`` true output lengths (tokens). prompts: int ``[n]`` prompt tokens.
-        k, a: float ``[n]`` true Eq. 3 parameters of each request.
-        problem_idx: int ``[n]`` predictor index of each request's problem (-1 unseen).
-        scheduler: the policy (its cost model observes this GPU's step times).
-        oracle: give the policy the true remaining lengths and ``k, a`` (``eq7`` only).
-    """
-    n = lengths.size
-    rng = np.random.default_rng(seed)
-    length = lengths.astype(np.float64)
-    prompt = prompts.astype(np.float64)
-    gen = np.zeros(n)
-    status = np.zeros(n, np.int64)
-    stamp = np.full(n, -1, np.int64)
-    wait_key = np.arange(n, dtype=np.float64)
-    caps = np.zeros(n, np.int64)
-    kk = params.max_draft
-    tau = tokens_per_step(np.arange(kk + 1, dtype=np.float64)[None, :], k[:, None], a[:, None])
-    drafted = np.zeros(n)
-    accepted = np.zeros(n)
-    steps = np.zeros(n, np.int64)
-    finish = np.full(n, np.nan)
-    counters = np.zeros(2, np.int64)
-    m = params.max_records
-    rec_t, rec_n, rec_ctx, rec_dt = (np.zeros(m) for _ in range(4))
-    rec_b = np.zeros(m, np.int64)
-    off = 0
-    t = 0.0
-    dynamic = scheduler.policy in ("class", "eq7")
-    if not dynamic:
-        caps[:] = scheduler.caps(problem_idx, gen, drafted, accepted, steps)
-    while np.any(status != DONE):
-        if dynamic:
-            run = np.flatnonzero(status == RUNNING)
-            caps[:] = 0
-            if run.size:
-                extra = {}
-                if oracle:
-                    extra = dict(remaining=length[run] - gen[run], k=k[run], a=a[run])
-                caps[run] = scheduler.caps(
-                    problem_idx[run], gen[run], drafted[run], accepted[run], steps[run],
-                    context_tokens=prompt[run] + gen[run], **extra,
-                )  # fmt: skip
-        max_steps = params.replan_every if dynamic else m
-        s, t = _run_steps(
-            length, prompt, gen, status, stamp, wait_key, caps, tau, drafted, accepted, steps, finish,
-            t, params.c_base, params.c_tok, params.c_ctx, float(params.kv_capacity_tokens), params.max_seqs,
-            params.watermark, max_steps, counters, rec_t, rec_b, rec_n, rec_ctx, rec_dt, off,
-        )  # fmt: skip
-        if s == 0:
-            if off >= m:
-                raise RuntimeError(f"simulation exceeded max_records={m} steps")
-            if np.any(status == WAITING) and not np.any(status == RUNNING):
-                raise RuntimeError("a waiting request can never be admitted (KV capacity too small)")
-            continue
-        if scheduler.policy == "eq7":
-            noisy = rec_dt[off : off + s] * np.exp(params.timing_noise * rng.standard_normal(s))
-            scheduler.observe_step(rec_n[off : off + s], noisy, rec_ctx[off : off + s] if scheduler.cost.use_context else None)
-        off += s
-    return GpuResult(
-        makespan_s=float(np.nanmax(finish)) if n else 0.0,
-        steps=off,
-        tokens=float(gen.sum()),
-        drafted=float(drafted.sum()),
-        accepted=float(accepted.sum()),
-        preemptions=int(counters[1]),
-        finish_s=finish,
-        rec_t=rec_t[:off].copy(),
-        rec_batch=rec_b[:off].copy(),
-        cost_fit=scheduler.cost.coefficients() if scheduler.policy == "eq7" else None,
-    )
+    length: np.ndarray  # float64 true output length
+    prompt: np.ndarray  # float64 prompt tokens
+    loop_at: np.ndarray  # float64 loop onset (inf: no loop)
+    group: np.ndarray  # int64 global GRPO group
+    problem_idx: np.ndarray  # int64 predictor index of the problem
+    k: np.ndarray  # float64 base Eq. 3 capacity
+    a: np.ndarray  # float64 base Eq. 3 efficiency
+    tau_tab: np.ndarray  # float64 [n, S, K + 1]
+    tau_loop: np.ndarray  # float64 [K + 1]
+    nat_draft: float  # draft tokens the drafter proposes per step outside loops when not capped
+    gen: np.ndarray = field(default=None)
+    status: np.ndarray = field(default=None)
+    stamp: np.ndarray = field(default=None)
+    wait_key: np.ndarray = field(default=None)
+    caps: np.ndarray = field(default=None)
+    drafted: np.ndarray = field(default=None)
+    accepted: np.ndarray = field(default=None)
+    steps: np.ndarray = field(default=None)
+    finish: np.ndarray = field(default=None)
+    gpu: np.ndarray = field(default=None)
+    moves: np.ndarray = field(default=None)
+
+    def __post_init__(self):
+        n = self.length.size
+        self.gen = np.zeros(n)
+        self.status = np.zeros(n, np.int64)
+        self.stamp = np.full(n, -1, np.int64)
+        self.wait_key = np.arange(n, dtype=np.float64)
+        self.caps = np.zeros(n, np.int64)
+        self.drafted = np.zeros(n)
+        self.accepted = np.zeros(n)
+        self.steps = np.zeros(n, np.int64)
+        self.finish = np.full(n, np.nan)
+        self.gpu = np.zeros(n, np.int64)
+        self.moves = np.zeros(n, np.int64)
+
+    @property
+    def n(self) -> int:
+        return int(self.length.size)
+
+    @property
+    def group_size(self) -> int:
+        return int(self.tau_tab.shape[1])
 
 
-def make_scheduler(policy: str, predictor: LengthPredictor | None, max_draft: int, *, use_context: bool = True, seed: int = 0, **kwargs) -> SpeculationScheduler:
-    """A fresh per-GPU scheduler; ``eq7`` gets an unfitted online cost model (with context term)."""
-    from scheduler import CostModel
+class Gpu:
+    """One engine: its member requests, clock, policy and step records."""
 
-    cost = CostModel(use_context=use_context, min_samples=16, forgetting=0.999) if policy == "eq7" else None
-    return SpeculationScheduler(policy, max_draft=max_draft, predictor=predictor, cost=cost, seed=seed, **kwargs)
+    def __init__(self, gid: int, req: Requests, members: np.ndarray, policy, params: EngineParams, n_groups: int, stats_pos: np.ndarray, stats_sib: np.ndarray, seed: int = 0):
+        self.gid = gid
+        self.req = req
+        self.mem = np.asarray(members, np.int64)
+        req.gpu[self.mem] = gid
+        self.policy = policy
+        self.p = params
+        self.t = 0.0
+        self.order = self.mem.copy()
+        self.grp_done = np.zeros(n_groups, np.int64)
+        self.counters = np.zeros(3, np.int64)
+        self.stats_pos, self.stats_sib = stats_pos, stats_sib
+        self.rng = np.random.default_rng(seed)
+        cap = 4096
+        self.rec = {k: np.zeros(cap) for k in ("t", "n", "ctx", "dt")}
+        self.rec["b"] = np.zeros(cap, np.int64)
+        self.off = 0
+        self.since_plan = 1 << 30
+        self.events = True
+
+    # ------------------------------------------------------------------ membership
+    def add(self, idx: np.ndarray) -> None:
+        idx = np.asarray(idx, np.int64)
+        self.mem = np.concatenate([self.mem, idx])
+        self.req.gpu[idx] = self.gid
+        self.events = True
+        self.since_plan = 1 << 30
+
+    def remove(self, idx: np.ndarray) -> None:
+        self.mem = self.mem[~np.isin(self.mem, idx)]
+        self.order = self.order[~np.isin(self.order, idx)]
+        self.events = True
+        self.since_plan = 1 << 30
+
+    @property
+    def done(self) -> bool:
+        return bool(np.all(self.req.status[self.mem] == DONE))
+
+    def unfinished(self) -> np.ndarray:
+        return self.mem[self.req.status[self.mem] != DONE]
+
+    # ------------------------------------------------------------------ stepping
+    def _grow(self) -> None:
+        for k, v in self.rec.items():
+            self.rec[k] = np.concatenate([v, np.zeros_like(v)])
+
+    def run_until(self, t_stop: float = np.inf) -> None:
+        """Step until every member finished or the clock passes ``t_stop``."""
+        r, p, pol = self.req, self.p, self.policy
+        roof = p.roof
+        while self.t < t_stop and not self.done:
+            if pol.dynamic and (self.since_plan >= p.replan_every or (self.events and pol.replan_on_events)):
+                run = self.mem[r.status[self.mem] == RUNNING]
+                if run.size:
+                    pol.plan(self, run)
+                self.since_plan = 0
+                self.events = False
+            elif not pol.dynamic and self.events:
+                pol.plan(self, self.mem)
+                self.events = False
+            if self.off >= self.rec["t"].size:
+                self._grow()
+            max_steps = max(p.replan_every - self.since_plan, 1) if pol.dynamic else 1 << 40
+            s, t = _run_steps(
+                self.mem, r.length, r.prompt, r.loop_at, r.group, r.gen, r.status, r.stamp, r.wait_key, r.caps, self.order, r.tau_tab, r.tau_loop, r.nat_draft,
+                r.drafted, r.accepted, r.steps, r.finish, self.grp_done, self.stats_pos, self.stats_sib,
+                self.t, t_stop, max_steps, float(roof.kv_capacity_tokens), p.max_seqs, p.watermark,
+                roof.launch_s, roof.weight_bytes, roof.kv_bytes_per_token, roof.flops_per_token, roof.attn_flops_per_pair, roof.bytes_per_s, roof.flops_per_s,
+                p.drafter_ms_per_256 * 1e-3 / 256.0, pol.spec_on, pol.kv_aware and p.kv_aware, pol.quota_mode, float(pol.quota), pol.gate, float(p.max_tokens), p.additive_cost,
+                self.counters, self.rec["t"], self.rec["b"], self.rec["n"], self.rec["ctx"], self.rec["dt"], self.off,
+            )  # fmt: skip
+            if self.counters[2]:
+                raise RuntimeError(f"GPU {self.gid}: a request can never be admitted (KV capacity {roof.kv_capacity_tokens} tokens too small)")
+            self.t = t
+            if s:
+                o = self.off
+                pol.observe(self, self.rec["n"][o : o + s], self.rec["dt"][o : o + s], self.rec["ctx"][o : o + s])
+                self.off += s
+                self.since_plan += s
+                # an event (finish / admission / preemption) ends a call early: re-plan
+                if s < max_steps and self.t < t_stop and not self.done:
+                    self.events = True
+            elif self.off < self.rec["t"].size and self.t < t_stop and not self.done:
+                raise RuntimeError(f"GPU {self.gid}: no step ran at t={self.t:.3f} s with unfinished requests")
+
+    # ------------------------------------------------------------------ results
+    def records(self) -> dict[str, np.ndarray]:
+        return {k: v[: self.off].copy() for k, v in self.rec.items()}
+
+    @property
+    def preemptions(self) -> int:
+        return int(self.counters[1])
+
+    @property
+    def makespan_s(self) -> float:
+        f = self.req.finish[self.mem]
+        return float(np.nanmax(f)) if f.size and np.any(np.isfinite(f)) else 0.0

@@ -1,25 +1,28 @@
-"""Long-tail rollout simulator: makespan of one RL rollout iteration under speculation policies.
+"""Long-tail simulator: makespan of one RL rollout iteration under speculation and placement policies.
 
-``python -m benchmarks.simulate [--json PATH] [--plot PATH] [--trace PATH] ...``
+``python -m benchmarks.simulate [--seeds N] [--json PATH] [--plot PATH] [--trace PATH] [--sweep] ...``
 
-Reproduces the DAS paper's setting (DeepSeek-R1-Distill-Qwen-7B, DSR-sub, 16K max tokens,
-128 prompts x 16 samples, 8 H100s) as a discrete-event simulation: continuous batching on each
-GPU (:mod:`benchmarks._sim_engine`), per-step cost ``c_base + c_tok * n_tokens + c_ctx * context``
-with first-principles constants (:func:`benchmarks._sim_workload.h100_7b_costs`), acceptance from
-the Eq. 3 model, lengths from a long-tail model (:class:`benchmarks._sim_workload.LengthModel`) or
-a rollout trace (``--trace``: its last iteration is simulated, earlier ones are the history).
+The DAS paper's setting (DeepSeek-R1-Distill-Qwen-7B, DSR-sub, 16K max tokens, 128 prompts x 16
+samples, 8 H100s, one vLLM engine per GPU) as a discrete-event simulation, repeated over ``--seeds``
+workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
 
-Policies (:class:`scheduler.SpeculationScheduler`): ``none``; ``unlimited`` (K drafts per row
-and step); ``class`` (Long 16, Medium 4, Short 0 on the predictor's run-time class); ``eq7``
-(Eq. 7 / Eq. 9 budgets on predicted remaining lengths, estimated acceptance and a cost model fitted
-online from the simulated step times). ``<policy>+interleave`` assigns groups to GPUs by LPT on
-predicted work instead of round-robin. Extra rows: ``class_gated`` (class budgets only in steps
-with at most ``--gate`` = 64 running requests, as the authors' public fork does) and
-``eq7_oracle`` (eq7 given the true lengths and acceptance parameters).
+* Engine (:mod:`benchmarks._sim_engine`): continuous batching, vLLM-like KV admission and recompute
+  preemption, roofline step cost ``launch + max(compute, memory)`` (:class:`Roofline`, H100 SXM
+  spec-sheet rates and the model's config), the drafter's CPU time per step (``--drafter-ms-per-256``).
+* Workload (:mod:`benchmarks._sim_workload`): long-tail lengths with repetition loops to the cap;
+  acceptance that depends on the request's state (base Eq. 3 parameters, finished siblings on the
+  same engine, loops).
+* Policies (:mod:`benchmarks._sim_policy`): ``none``, ``unlimited``, ``das`` (the published class
+  policy), ``das-roofline`` (ours), ``eq7`` (the project's scheduler); all speculative ones
+  KV-aware.
+* Placements (:mod:`benchmarks._sim_place`): ``none``, ``lpt``, ``split``, ``rebalance``.
 
-JSON: ``paper_setting.<policy>.makespan_s`` (and tokens, steps, drafts, per-GPU makespans ...)
-for ``none, unlimited, class, eq7`` and each ``+interleave``; ``setting``, ``costs``,
-``lengths``, ``interleave`` (load balance), ``predictor`` (its evaluation on the history).
+JSON: ``paper_setting.<policy>[+<placement>]`` (no suffix: placement ``none``) with ``makespan_s``
+(mean over seeds), ``makespan_s_ci95`` (half-width of the 95% t-interval, seconds), ``seeds``
+(how many), ``makespan_s_per_seed``, ``cut_vs_none`` (paired, per seed, against ``none`` without
+placement) and its ``cut_vs_none_ci95``, tokens, drafts, preemptions, moves ...; ``validation``
+(the paper's Figs. 1, 4, 8, 10 against the simulator's), ``setting``, ``costs``, ``lengths``,
+``ablations`` (with ``--ablations``) and ``sweep`` (with ``--sweep``, :mod:`benchmarks._sim_sweep`).
 """
 
 from __future__ import annotations
@@ -33,63 +36,83 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._sim_engine import GpuResult, SimParams, make_scheduler, simulate_gpu
-from benchmarks._sim_workload import AcceptanceModel, LengthModel, h100_7b_costs, length_stats, prompt_lengths
-from scheduler import ClassBudget, LengthPredictor, assign_groups, compare_assignments, evaluate_predictor, tokens_per_step
+from benchmarks._sim_engine import DONE, EngineParams, Requests
+from benchmarks._sim_place import PLACEMENTS, assign, run_cluster
+from benchmarks._sim_policy import DAS_GATE, DAS_QUOTA, POLICIES, make_policy
+from benchmarks._sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
+from scheduler import LengthPredictor
 
-POLICIES = ("none", "unlimited", "class", "eq7")
 REPO = Path(__file__).resolve().parents[1]
+LENGTH_AWARE = ("das", "das-roofline", "eq7")
+
+# two-sided 95% quantiles of Student's t, df = 1..30
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def ci95(x) -> tuple[float, float]:
+    """Mean and half-width of the 95% t-interval (0 for a single value)."""
+    x = np.asarray(x, np.float64)
+    if x.size < 2:
+        return float(x.mean()) if x.size else float("nan"), 0.0
+    df = x.size - 1
+    t = _T975[df - 1] if df <= 30 else 1.96 + 2.4 / df
+    return float(x.mean()), float(t * x.std(ddof=1) / np.sqrt(x.size))
 
 
 # ----------------------------------------------------------------------------- workload
+def build_predictor(lm: LengthModel, mu: np.ndarray, pids: list[str], max_tokens: int, rng: np.random.Generator, *, window: int = 16, bg_groups: int, n_samples: int, history_visits=(1, 2)) -> LengthPredictor:
+    """A predictor fed with synthetic history: ``bg_groups`` other problems per earlier policy
+    version fill the global tables; each current problem was seen in 1 or 2 of the ``window - 1``
+    earlier versions (with 1,209 DSR-sub problems and 128 per step a problem comes back every ~9.4
+    steps)."""
+    pred = LengthPredictor(max_tokens, window=window)
+    now = window
+    n_bg = (window - 1) * bg_groups
+    hist_bg = lm.sample(lm.sample_problems(n_bg, rng), n_samples, rng)
+    for i in range(n_bg):
+        pred.observe(f"bg{i}", 1 + i // max(bg_groups, 1), hist_bg[i])
+    for i, pid in enumerate(pids):
+        visits = int(rng.choice(history_visits))
+        for v in sorted(rng.choice(np.arange(1, now), size=visits, replace=False)):
+            pred.observe(pid, int(v), lm.sample(mu[i : i + 1], n_samples, rng)[0])
+    return pred
+
+
 def synthetic_workload(
     *,
     n_prompts: int = 128,
     n_samples: int = 16,
     max_tokens: int = 16384,
     window: int = 16,
-    history_visits: tuple[int, ...] = (1, 2),
     length_model: LengthModel | None = None,
     acceptance_model: AcceptanceModel | None = None,
     seed: int = 0,
+    with_predictor: bool = True,
 ) -> dict[str, Any]:
-    """One iteration's requests plus a predictor fed with synthetic history.
-
-    History: with 1,209 DSR-sub problems and 128 prompts per step, a problem comes back every ~9.4
-    steps, so a window of 16 policy versions holds 1 or 2 earlier groups of each current problem
-    (``history_visits``, drawn uniformly), at random earlier versions; the other problems of those
-    versions (``(window - 1) * n_prompts`` groups) fill the global tables.
+    """One iteration's requests (and a predictor fed with synthetic history).
 
     Returns:
-        dict with ``lengths`` int ``[P, S]``, ``k``, ``a`` float ``[P, S]``, ``prompts`` int ``[P]``,
-        ``problem_ids`` list ``[P]``, ``predictor`` (LengthPredictor), ``max_tokens``, models.
+        dict with ``lengths`` int ``[P, S]``, ``loop_at`` float ``[P, S]`` (inf: no loop), ``k``,
+        ``a`` float ``[P, S]``, ``prompts`` int ``[P]``, ``problem_ids``, ``mu`` (log-medians),
+        ``predictor``, ``max_tokens``, the models.
     """
     lm = length_model or LengthModel(max_tokens=max_tokens)
     am = acceptance_model or AcceptanceModel()
     rng = np.random.default_rng(seed)
     mu = lm.sample_problems(n_prompts, rng)
-    lengths = lm.sample(mu, n_samples, rng)
+    lengths, loop_at = lm.sample_detail(mu, n_samples, rng)
     k, a = am.sample(n_prompts, n_samples, rng)
     prompts = prompt_lengths(n_prompts, rng)
-    pred = LengthPredictor(max_tokens, window=window)
-    now = window  # the simulated iteration's policy version; history is in [1, window - 1]
-    n_bg = (window - 1) * n_prompts
-    mu_bg = lm.sample_problems(n_bg, rng)
-    hist_bg = lm.sample(mu_bg, n_samples, rng)
-    for i in range(n_bg):
-        pred.observe(f"bg{i}", 1 + i // n_prompts, hist_bg[i])
     pids = [f"p{i}" for i in range(n_prompts)]
-    for i, pid in enumerate(pids):
-        visits = int(rng.choice(history_visits))
-        for v in sorted(rng.choice(np.arange(1, now), size=visits, replace=False)):
-            pred.observe(pid, int(v), lm.sample(mu[i : i + 1], n_samples, rng)[0])
-    return dict(lengths=lengths, k=k, a=a, prompts=prompts, problem_ids=pids, predictor=pred, max_tokens=max_tokens, length_model=lm.as_dict(), acceptance_model=am.as_dict())
+    pred = build_predictor(lm, mu, pids, max_tokens, rng, window=window, bg_groups=min(n_prompts, 128), n_samples=n_samples) if with_predictor else None
+    return dict(lengths=lengths, loop_at=loop_at, k=k, a=a, prompts=prompts, problem_ids=pids, mu=mu, predictor=pred, max_tokens=max_tokens, length_model=lm, acceptance_model=am)
 
 
 def trace_workload(path: str, max_tokens: int, *, window: int = 16, seed: int = 0, acceptance_model: AcceptanceModel | None = None) -> dict[str, Any]:
     """Workload from a rollout trace (``integrations.trace``): the last iteration is simulated, the
     earlier ones feed the predictor. Groups with fewer samples than the largest are padded by
-    repeating their members (the simulator needs equal group sizes)."""
+    repeating their members (the simulator needs equal group sizes). Loops are not detected in a
+    trace (``loop_at`` = inf): its acceptance is the base model's."""
     from integrations.trace import read_trace
 
     rows = read_trace(path)
@@ -109,254 +132,585 @@ def trace_workload(path: str, max_tokens: int, *, window: int = 16, seed: int = 
     rng = np.random.default_rng(seed)
     am = acceptance_model or AcceptanceModel()
     k, a = am.sample(len(pids), s, rng)
-    return dict(lengths=lengths, k=k, a=a, prompts=prompts, problem_ids=pids, predictor=pred, max_tokens=max_tokens, length_model={"trace": str(path)}, acceptance_model=am.as_dict())
+    return dict(lengths=lengths, loop_at=np.full(lengths.shape, np.inf), k=k, a=a, prompts=prompts, problem_ids=pids, mu=None, predictor=pred, max_tokens=max_tokens, length_model={"trace": str(path)}, acceptance_model=am)
 
 
-# ----------------------------------------------------------------------------- one iteration
-def group_assignment(work: dict[str, Any], n_gpus: int, interleave: bool) -> np.ndarray:
-    """GPU of each group: round-robin, or LPT on predicted group work (``+interleave``)."""
-    pred: LengthPredictor = work["predictor"]
-    n_p, n_s = work["lengths"].shape
-    if not interleave:
-        return assign_groups(np.zeros(n_p), n_gpus, "round_robin")
-    idx = pred.index(work["problem_ids"])
-    expected = pred.predict(idx, np.zeros(n_p)).expected_total * n_s
-    b2 = pred.bounds[1]
-    n_long = np.array([int(round(n_s * np.mean(h >= b2))) if (h := pred.history_lengths(p)).size else 0 for p in work["problem_ids"]])
-    return assign_groups(expected, n_gpus, "lpt", n_long=n_long)
+def requests_factory(work: dict[str, Any], params: EngineParams, rows: np.ndarray | None = None):
+    """A function returning fresh :class:`Requests` (state reset, static arrays shared) for the
+    flat request indices ``rows`` of ``work`` (default all)."""
+    P, S = work["lengths"].shape
+    rows = np.arange(P * S) if rows is None else np.asarray(rows, np.int64)
+    am: AcceptanceModel = work["acceptance_model"]
+    K = params.max_draft
+    pidx = work["predictor"].index(work["problem_ids"]) if work.get("predictor") is not None else np.full(P, -1)
+    static = dict(
+        length=work["lengths"].ravel()[rows].astype(np.float64),
+        prompt=np.repeat(work["prompts"], S)[rows].astype(np.float64),
+        loop_at=work["loop_at"].ravel()[rows].astype(np.float64),
+        group=(rows // S).astype(np.int64),
+        problem_idx=np.repeat(pidx, S)[rows].astype(np.int64),
+        k=work["k"].ravel()[rows],
+        a=work["a"].ravel()[rows],
+        tau_tab=am.tau_table(work["k"].ravel()[rows], work["a"].ravel()[rows], S, K),
+        tau_loop=am.loop_tau(K),
+        nat_draft=float(am.natural_draft),
+    )
+    return lambda: Requests(**static)
 
 
-def run_iteration(work: dict[str, Any], policy: str, n_gpus: int, params: SimParams, *, interleave: bool, oracle: bool = False, class_budget: ClassBudget | None = None, seed: int = 0) -> dict[str, Any]:
-    """Simulate one iteration on ``n_gpus`` GPUs; returns the policy's summary and per-GPU results."""
-    pred: LengthPredictor = work["predictor"]
-    assign = group_assignment(work, n_gpus, interleave)
-    n_p, n_s = work["lengths"].shape
-    pidx = pred.index(work["problem_ids"])
-    gpus: list[GpuResult] = []
-    for g in range(n_gpus):
-        groups = np.flatnonzero(assign == g)
-        sched = make_scheduler(policy, pred, params.max_draft, seed=seed + g, class_budget=class_budget)
-        gpus.append(
-            simulate_gpu(
-                work["lengths"][groups].ravel(),
-                np.repeat(work["prompts"][groups], n_s),
-                work["k"][groups].ravel(),
-                work["a"][groups].ravel(),
-                np.repeat(pidx[groups], n_s),
-                sched,
-                params,
-                oracle=oracle,
-                seed=seed + 1000 + g,
-            )
-        )
-    tokens = sum(r.tokens for r in gpus)
-    steps = sum(r.steps for r in gpus)
-    return {
-        "makespan_s": max(r.makespan_s for r in gpus),
-        "per_gpu_makespan_s": [round(r.makespan_s, 3) for r in gpus],
-        "mean_gpu_makespan_s": float(np.mean([r.makespan_s for r in gpus])),
+# ----------------------------------------------------------------------------- one run
+def run_config(work, fresh, policy: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None) -> dict[str, Any]:
+    """One iteration under ``policy`` and ``placement``; returns its summary."""
+    req = fresh()
+    P, S = work["lengths"].shape
+    pred = work["predictor"]
+    gpu_of = assign(P, S, n_gpus, placement, pred, work["problem_ids"])
+    def factory(g: int):
+        pol = make_policy(policy, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware)
+        if gate is not None:
+            pol.gate = gate
+        return pol
+
+    gpus, info = run_cluster(req, gpu_of, n_gpus, factory, params, placement=placement, predictor=pred, seed=seed)
+    tokens = float(req.gen.sum())
+    out = {
+        "makespan_s": max(g.makespan_s for g in gpus),
+        "per_gpu_makespan_s": [round(g.makespan_s, 3) for g in gpus],
         "tokens": tokens,
-        "engine_steps_max": max(r.steps for r in gpus),
-        "tokens_per_request_step": tokens / max(tokens - sum(r.accepted for r in gpus), 1.0),
-        "drafted_tokens": sum(r.drafted for r in gpus),
-        "accepted_tokens": sum(r.accepted for r in gpus),
-        "preemptions": sum(r.preemptions for r in gpus),
-        "cost_fit": [r.cost_fit for r in gpus] if policy == "eq7" else None,
-        "_gpus": gpus,
-        "_steps_total": steps,
+        "engine_steps_max": max(g.off for g in gpus),
+        "tokens_per_row_step": tokens / max(float(req.steps.sum()), 1.0),
+        "drafted_per_token": float(req.drafted.sum()) / tokens,
+        "accepted_per_token": float(req.accepted.sum()) / tokens,
+        "preemptions": sum(g.preemptions for g in gpus),
+        "moves": info["moves"],
+        "_stats_pos": info["stats_pos"],
+        "_stats_sib": info["stats_sib"],
     }
+    if policy == "eq7":
+        out["cost_fit_gpu0"] = gpus[0].policy.cost_fit()
+    if keep:
+        out["_curves"] = [(g.records()["t"], g.records()["b"]) for g in gpus]
+        out["_finish"] = req.finish.copy()
+        out["_length"] = req.length.copy()
+    if not np.all(req.status == DONE):
+        raise RuntimeError("unfinished requests")
+    return out
 
 
-def lower_bound_s(work: dict[str, Any], params: SimParams, speculative: bool) -> float:
-    """Sequential lower bound: the longest request alone, ``ceil(l / tau(K)) * c_base`` (``tau = 1``
-    without speculation)."""
-    l = work["lengths"].astype(np.float64)
-    tau = tokens_per_step(np.full(l.shape, params.max_draft if speculative else 0.0), work["k"], work["a"])
-    return float(np.max(np.ceil(l / tau)) * params.c_base)
+def lower_bound_s(work: dict[str, Any], params: EngineParams, speculative: bool) -> float:
+    """A lower bound on the makespan: the longest request alone on an idle GPU, every step priced
+    as a one-row step with an empty KV cache (launch + weights read), advancing one token per step
+    without drafts, or with the most its state allows (natural drafts with every sibling finished
+    outside its loop, K drafts in it). No drafter time."""
+    roof = params.roof
+    L = work["lengths"].ravel().astype(np.float64)
+    i = int(np.argmax(L))
+    t1 = roof.decode_step_time(1, 0, 0)
+    if not speculative:
+        return float(L[i] * t1)
+    am: AcceptanceModel = work["acceptance_model"]
+    S = work["lengths"].shape[1]
+    d = min(float(params.max_draft), am.natural_draft)
+    row = am.tau_table(work["k"].ravel()[i : i + 1], work["a"].ravel()[i : i + 1], S, params.max_draft)[0, -1]
+    tau = float(np.interp(d, np.arange(row.size), row))
+    lp = min(float(work["loop_at"].ravel()[i]), L[i])
+    return float((lp / tau + (L[i] - lp) / am.loop_tau(params.max_draft)[-1]) * t1)
 
 
-# ----------------------------------------------------------------------------- report
-def batch_curve(gpus: list[GpuResult], grid: np.ndarray) -> np.ndarray:
+# ----------------------------------------------------------------------------- curves and validation
+def batch_curve(curves, grid: np.ndarray) -> np.ndarray:
     """Running requests summed over GPUs at each time of ``grid`` (seconds)."""
     total = np.zeros(grid.size)
-    for r in gpus:
-        if r.rec_t.size == 0:
+    for t, b in curves:
+        if t.size == 0:
             continue
-        i = np.searchsorted(r.rec_t, grid, side="left")
-        total += np.where(i < r.rec_t.size, r.rec_batch[np.minimum(i, r.rec_t.size - 1)], 0)
+        i = np.searchsorted(t, grid, side="left")
+        total += np.where(i < t.size, b[np.minimum(i, t.size - 1)], 0)
     return total
 
 
-def plot(results: dict[str, dict], path: Path, title: str) -> Path | None:
-    """PNG of running batch size (all GPUs) over time per policy; None when matplotlib is missing."""
+def collapse_stats(curves, n_requests: int, makespan: float) -> dict[str, float]:
+    """When the running batch (all GPUs) falls below 50% / 10% of the requests: in seconds, and in
+    decode steps of the GPU that finishes last; the share of the makespan spent below 10%."""
+    grid = np.linspace(0, makespan, 4001)
+    run = batch_curve(curves, grid)
+    crit_t = max((c[0] for c in curves), key=lambda t: t[-1] if t.size else 0.0)
+    out: dict[str, float] = {}
+    for f in (0.5, 0.1):
+        below = np.flatnonzero(run < f * n_requests)
+        t_f = float(grid[below[0]]) if below.size else makespan
+        out[f"t_below_{int(f * 100)}pct_s"] = t_f
+        out[f"steps_below_{int(f * 100)}pct_on_last_gpu"] = int(np.searchsorted(crit_t, t_f))
+    out["steps_on_last_gpu"] = int(crit_t.size)
+    out["tail_share_below_10pct"] = 1.0 - out["t_below_10pct_s"] / makespan if makespan > 0 else 0.0
+    return out
+
+
+def acceptance_profile(stats_pos: np.ndarray, stats_sib: np.ndarray, max_tokens: int) -> dict[str, Any]:
+    """Tokens per step and acceptance per drafted token by position (outside / inside loops) and by
+    finished siblings, from the engine's counters."""
+
+    def rows(st):
+        steps, dr, acc = st[..., 0], st[..., 1], st[..., 2]
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(steps > 0, 1.0 + acc / np.maximum(steps, 1), np.nan), np.where(dr > 0, acc / np.maximum(dr, 1), np.nan), steps
+
+    bins = (np.arange(stats_pos.shape[1]) + 0.5) * max_tokens / stats_pos.shape[1]
+    tps, rate, steps = rows(stats_pos)
+    stps, srate, ssteps = rows(stats_sib)
+    out = {
+        "position_tokens": bins.tolist(),
+        "tokens_per_step_outside_loops": tps[0].tolist(),
+        "tokens_per_step_in_loops": tps[1].tolist(),
+        "accept_rate_outside_loops": rate[0].tolist(),
+        "accept_rate_in_loops": rate[1].tolist(),
+        "share_of_steps_in_loops": (steps[1] / np.maximum(steps[0] + steps[1], 1)).tolist(),
+        "tokens_per_step_by_finished_siblings": stps.tolist(),
+        "steps_by_finished_siblings": ssteps.tolist(),
+    }
+    both = stats_pos.sum(axis=0)
+    out["tokens_per_step_all_rows"] = np.where(both[:, 0] > 0, 1.0 + both[:, 2] / np.maximum(both[:, 0], 1), np.nan).tolist()
+    tot = stats_pos.sum(axis=1)
+    out["overall_tokens_per_step_outside_loops"] = float(1 + tot[0, 2] / max(tot[0, 0], 1))
+    out["overall_tokens_per_step_in_loops"] = float(1 + tot[1, 2] / max(tot[1, 0], 1))
+    return out
+
+
+# ----------------------------------------------------------------------------- plots
+def _plt():
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+
+        return plt
     except ImportError:
         print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
         return None
-    tmax = max(r["makespan_s"] for r in results.values())
+
+
+def plot_validation(table: dict, curves: dict, accept: dict, path: Path, title: str) -> Path | None:
+    """Four panels: running requests over time (seed 0; Fig. 1), makespan per policy and placement
+    with 95% intervals (Fig. 8), unlimited vs length-aware (Fig. 10), acceptance by position
+    (Fig. 4)."""
+    plt = _plt()
+    if plt is None:
+        return None
+    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
+    a = ax[0, 0]
+    tmax = max(c["makespan"] for c in curves.values())
     grid = np.linspace(0, tmax * 1.01, 2000)
-    fig, axes = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for name, r in results.items():
-        style = "--" if name.endswith("+interleave") else "-"
-        for ax in axes:
-            ax.step(grid, batch_curve(r["_gpus"], grid), style, where="post", label=f"{name} ({r['makespan_s']:.0f} s)", lw=1.2)
-    axes[0].set_ylabel("running requests (all GPUs)")
-    axes[1].set_yscale("symlog", linthresh=10)
-    axes[1].set_ylabel("running requests (log)")
-    axes[1].set_xlabel("time (s)")
-    axes[0].set_title(title)
-    axes[0].legend(fontsize=8, ncol=2)
+    for name, c in curves.items():
+        a.step(grid, batch_curve(c["curves"], grid), where="post", lw=1.2, label=f"{name} ({c['makespan']:.0f} s)")
+    a.set_yscale("symlog", linthresh=10)
+    a.set_xlabel("time (s)")
+    a.set_ylabel("running requests, all GPUs (log)")
+    a.set_title("running requests over time (seed 0)  [paper Fig. 1]")
+    a.legend(fontsize=8)
+    a = ax[0, 1]
+    pols = [p for p in POLICIES if any(p + s in table for s in ("", "+lpt"))]
+    width = 0.8 / len(PLACEMENTS)
+    for j, pl in enumerate(PLACEMENTS):
+        names = [p if pl == "none" else f"{p}+{pl}" for p in pols]
+        m = [table[n]["makespan_s"] if n in table else np.nan for n in names]
+        e = [table[n]["makespan_s_ci95"] if n in table else 0 for n in names]
+        a.bar(np.arange(len(pols)) + (j - (len(PLACEMENTS) - 1) / 2) * width, m, width, yerr=e, capsize=2, label=f"placement {pl}")
+    a.set_xticks(np.arange(len(pols)), pols, fontsize=8)
+    a.set_ylabel("makespan (s), mean and 95% interval")
+    a.set_title("makespan per policy  [paper Fig. 8]")
+    a.legend(fontsize=8)
+    a = ax[1, 0]
+    names = [n for n in ("unlimited", "das", "das-roofline", "eq7") if n in table]
+    for j, pl in enumerate(("none", "split")):
+        nm = [n if pl == "none" else f"{n}+{pl}" for n in names]
+        m = [table[n]["makespan_s"] if n in table else np.nan for n in nm]
+        e = [table[n]["makespan_s_ci95"] if n in table else 0 for n in nm]
+        a.bar(np.arange(len(names)) + (j - 0.5) * 0.4, m, 0.4, yerr=e, capsize=3, label=f"placement {pl}")
+    a.set_xticks(np.arange(len(names)), names)
+    a.set_ylabel("makespan (s)")
+    a.set_title("unlimited vs length-aware drafting  [paper Fig. 10]")
+    a.legend(fontsize=8)
+    a = ax[1, 1]
+    x = np.asarray(accept["position_tokens"]) / 1000
+    a.plot(x, accept["tokens_per_step_outside_loops"], "o-", label="outside loops")
+    a.plot(x, accept["tokens_per_step_in_loops"], "s-", label="in repetition loops")
+    a.plot(x, accept["tokens_per_step_all_rows"], "k^--", label="all rows")
+    a.set_xlabel("position in the rollout (K tokens)")
+    a.set_ylabel("tokens per step, unlimited (drafter's own length; K in loops)")
+    a2 = a.twinx()
+    a2.bar(x, accept["share_of_steps_in_loops"], width=0.6, alpha=0.2, color="gray")
+    a2.set_ylabel("share of steps in loops (bars)")
+    a.set_title("acceptance by position  [paper Fig. 4]")
+    a.legend(fontsize=8, loc="upper left")
+    fig.suptitle(title)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
 
 
-def summarize_predictor(work: dict[str, Any]) -> dict[str, Any]:
-    """Predictor vs baselines on the simulated iteration: history (as version 0) -> this iteration."""
-    pred: LengthPredictor = work["predictor"]
-    pids: list[str] = []
-    vers: list[int] = []
-    lens: list[float] = []
-    for i, pid in enumerate(work["problem_ids"]):
-        for v, x in ((0, pred.history_lengths(pid)), (1, work["lengths"][i])):
-            pids += [pid] * len(x)
-            vers += [v] * len(x)
-            lens += list(map(float, x))
-    return evaluate_predictor(pids, vers, lens, work["max_tokens"], bounds=tuple(pred.bounds))
+# ----------------------------------------------------------------------------- main
+def aggregate(per_seed: dict[str, list[dict]], base: str = "none") -> dict[str, dict]:
+    """Mean, 95% interval and paired cuts over seeds, per configuration: against ``base`` (no
+    speculation, placement none) and against no speculation at the same placement."""
+    out: dict[str, dict] = {}
+    b = np.array([r["makespan_s"] for r in per_seed[base]])
+    for name, runs in per_seed.items():
+        m = np.array([r["makespan_s"] for r in runs])
+        mean, half = ci95(m)
+        cut, cut_h = ci95(1.0 - m / b[: m.size])
+        sp, _ = ci95(b[: m.size] / m)
+        row = {"makespan_s": mean, "makespan_s_ci95": half, "seeds": int(m.size), "makespan_s_per_seed": m.round(3).tolist(), "cut_vs_none": cut, "cut_vs_none_ci95": cut_h, "speedup_vs_none": sp}
+        same = name.split(" (")[0].partition("+")
+        same_base = "none" + same[1] + same[2]
+        if same_base in per_seed:
+            bs = np.array([r["makespan_s"] for r in per_seed[same_base]])[: m.size]
+            row["cut_vs_none_same_placement"], row["cut_vs_none_same_placement_ci95"] = ci95(1.0 - m / bs)
+        for key in ("tokens", "engine_steps_max", "tokens_per_row_step", "drafted_per_token", "accepted_per_token", "preemptions", "moves"):
+            row[key] = float(np.mean([r[key] for r in runs]))
+        if "cost_fit_gpu0" in runs[0]:
+            row["cost_fit_gpu0_seed0"] = runs[0]["cost_fit_gpu0"]
+        out[name] = row
+    return out
+
+
+def config_name(policy: str, placement: str) -> str:
+    return policy if placement == "none" else f"{policy}+{placement}"
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write results as JSON here")
-    ap.add_argument("--plot", default=str(REPO / "out" / "simulate_batch.png"), help="PNG of running batch size over time ('' or 'none': no plot)")
+    ap.add_argument("--plot", default=str(REPO / "out" / "simulate_validation.png"), help="PNG of the validation panels ('' or 'none': no plot)")
     ap.add_argument("--trace", type=Path, help="rollout trace (parquet): simulate its last iteration")
+    ap.add_argument("--seeds", type=int, default=5, help="workloads (seeds 0..N-1); every figure is a mean with a 95%% t-interval")
     ap.add_argument("--gpus", type=int, default=8)
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--max-draft", type=int, default=16, help="K: most draft tokens per row and step")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
-    ap.add_argument("--class-budget", default="16,4,0", help="Long,Medium,Short drafts per step of 'class'")
-    ap.add_argument("--kv-capacity", type=float, help="KV cache tokens per GPU (default: first principles)")
-    ap.add_argument("--no-context-cost", action="store_true", help="drop the c_ctx * context term (the paper's Eq. 1 only)")
-    ap.add_argument("--step-overhead-ms", type=float, default=1.0, help="per-step overhead in c_base (1 ms: CUDA graphs; eager mode is several ms)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--gate", type=int, default=64, help="running-request gate of the extra class_gated row")
-    ap.add_argument("--no-extras", action="store_true", help="skip the extra rows class_gated and eq7_oracle")
+    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {','.join(POLICIES)}")
+    ap.add_argument("--placements", default=",".join(PLACEMENTS), help=f"comma-separated subset of {','.join(PLACEMENTS)}")
+    ap.add_argument("--kv-capacity", type=float, help="KV cache tokens per GPU (default: from the memory budget)")
+    ap.add_argument("--launch-ms", type=float, default=1.0, help="fixed cost per engine step (ms; CUDA graphs ~1, eager mode several)")
+    ap.add_argument("--drafter-ms-per-256", type=float, default=1.0, help="drafter CPU time per engine step at 256 rows, linear in rows (ms)")
+    ap.add_argument("--loop-accept", type=float, default=AcceptanceModel.loop_accept, help="per-token acceptance inside repetition loops")
+    ap.add_argument("--sibling-gain", type=float, default=AcceptanceModel.sibling_gain, help="capacity gain once all siblings on the engine finished")
+    ap.add_argument("--additive-cost", action="store_true", help="step cost compute + memory instead of max (the old model)")
+    ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, das without its batch gate, das-roofline with it, and the KV-tight setting")
+    ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best policy)")
+    ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
+    ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
+    ap.add_argument("--sweep-plot", default=str(REPO / "out" / "simulate_sweep.png"))
     args = ap.parse_args(argv)
-    for name in ("gpus", "prompts", "samples", "max_tokens", "replan_every"):
+    for name in ("gpus", "prompts", "samples", "max_tokens", "replan_every", "seeds"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    try:
-        long_b, med_b, short_b = (int(x) for x in args.class_budget.split(","))
-        class_budget = ClassBudget(long=min(long_b, args.max_draft), medium=min(med_b, args.max_draft), short=min(short_b, args.max_draft))
-    except ValueError as e:
-        raise SystemExit(f"--class-budget must be three ints 'Long,Medium,Short', got {args.class_budget!r} ({e})")
+    if args.launch_ms < 0 or args.drafter_ms_per_256 < 0:
+        raise SystemExit("--launch-ms and --drafter-ms-per-256 must be >= 0")
+    if not 0.0 <= args.loop_accept < 1.0 or not 0.0 <= args.sibling_gain <= 1.0:
+        raise SystemExit("--loop-accept must be in [0, 1) and --sibling-gain in [0, 1]")
+    policies = [p for p in args.policies.split(",") if p]
+    placements = [p for p in args.placements.split(",") if p]
+    for p in policies:
+        if p not in POLICIES:
+            raise SystemExit(f"unknown policy {p!r}; expected {POLICIES}")
+    for p in placements:
+        if p not in PLACEMENTS:
+            raise SystemExit(f"unknown placement {p!r}; expected {PLACEMENTS}")
+    if "none" not in policies:
+        policies = ["none"] + policies
+    if "none" not in placements:
+        placements = ["none"] + placements
 
     t_start = time.perf_counter()
-    if args.step_overhead_ms < 0:
-        raise SystemExit(f"--step-overhead-ms must be >= 0, got {args.step_overhead_ms}")
-    costs = h100_7b_costs(step_overhead_s=args.step_overhead_ms * 1e-3)
-    params = SimParams(
-        c_base=costs["c_base"],
-        c_tok=costs["c_tok"],
-        c_ctx=0.0 if args.no_context_cost else costs["c_ctx"],
-        kv_capacity_tokens=args.kv_capacity or costs["kv_capacity_tokens"],
-        max_draft=args.max_draft,
-        replan_every=args.replan_every,
-    )
+    roof = h100_7b_roofline(launch_s=args.launch_ms * 1e-3)
+    if args.kv_capacity:
+        from dataclasses import replace
+
+        roof = replace(roof, kv_capacity_tokens=int(args.kv_capacity))
+    params = EngineParams(roof=roof, max_draft=args.max_draft, replan_every=args.replan_every, drafter_ms_per_256=args.drafter_ms_per_256, max_tokens=args.max_tokens, additive_cost=args.additive_cost)
+    linear = fit_linear_cost(roof, max_draft=args.max_draft)
+    am = AcceptanceModel(loop_accept=args.loop_accept, sibling_gain=args.sibling_gain)
+    out: dict[str, Any] = {}
+    if not args.sweep_only:
+        out.update(run_paper_setting(args, params, linear, am, policies, placements))
+    if args.sweep or args.sweep_only:
+        from benchmarks._sim_sweep import print_sweep, run_sweep
+
+        sw = run_sweep(params, linear, am, seeds=args.seeds, max_tokens=args.max_tokens, plot_path=None if args.sweep_plot.lower() in ("", "none") else Path(args.sweep_plot))
+        print_sweep(sw)
+        out["sweep"] = sw
+    out["wall_s"] = time.perf_counter() - t_start
+    print(f"wall {out['wall_s']:.1f} s")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(out, indent=1, default=float))
+        print(f"json: {args.json}")
+    return out
+
+
+def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceModel, policies: list[str], placements: list[str]) -> dict[str, Any]:
+    roof = params.roof
+    per_seed: dict[str, list[dict]] = {}
+    curves: dict[str, dict] = {}
+    stats_pos = np.zeros((2, 16, 3))
+    stats_sib = np.zeros((args.samples, 3))
+    lengths_all = []
+    loops_all = []
+    lb = {"none": [], "speculative": []}
+    key = "trace_setting" if args.trace else "paper_setting"
+    configs = [(p, pl) for pl in placements for p in policies]
+    if args.extras:
+        configs += [("eq7", "none", False), ("das", "none", True, "gate-flip"), ("das-roofline", "none", True, "gate-flip")]
+    for seed in range(args.seeds):
+        if args.trace:
+            work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)
+        else:
+            work = synthetic_workload(n_prompts=args.prompts, n_samples=args.samples, max_tokens=args.max_tokens, acceptance_model=am, seed=seed)
+        lengths_all.append(work["lengths"].ravel())
+        loops_all.append(np.isfinite(work["loop_at"]).ravel())
+        lb["none"].append(lower_bound_s(work, params, False))
+        lb["speculative"].append(lower_bound_s(work, params, True))
+        fresh = requests_factory(work, params)
+        for cfg in configs:
+            pol, pl = cfg[0], cfg[1]
+            kv = cfg[2] if len(cfg) > 2 else True
+            variant = cfg[3] if len(cfg) > 3 else ""
+            name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if pol == "das" else " (gate 64)") if variant == "gate-flip" else "")
+            gate = (-1 if pol == "das" else DAS_GATE) if variant == "gate-flip" else None
+            r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate)
+            per_seed.setdefault(name, []).append(r)
+            if pol == "unlimited" and pl == "none":
+                stats_pos += r["_stats_pos"]
+                stats_sib += r["_stats_sib"][: args.samples]
+            if "_curves" in r:
+                curves[name] = {"curves": r["_curves"], "makespan": r["makespan_s"]}
+    table = aggregate(per_seed)
+    n_p, n_s = args.prompts, args.samples
     if args.trace:
-        work = trace_workload(str(args.trace), args.max_tokens, seed=args.seed)
-        key = "trace_setting"
-    else:
-        work = synthetic_workload(n_prompts=args.prompts, n_samples=args.samples, max_tokens=args.max_tokens, seed=args.seed)
-        key = "paper_setting"
-    n_p, n_s = work["lengths"].shape
-    names = [p + s for s in ("", "+interleave") for p in POLICIES]
-    if not args.no_extras:
-        names += ["class_gated", "eq7_oracle"]
-    gated = ClassBudget(long=int(class_budget.table[2]), medium=int(class_budget.table[1]), short=int(class_budget.table[0]), max_running=args.gate)
-    results: dict[str, dict] = {}
-    for name in names:
-        policy = name.split("+")[0].replace("_oracle", "").replace("_gated", "")
-        results[name] = run_iteration(
-            work, policy, args.gpus, params, interleave=name.endswith("+interleave"), oracle=name.endswith("_oracle"),
-            class_budget=gated if name.startswith("class_gated") else class_budget, seed=args.seed,
-        )  # fmt: skip
-    base = results["none"]["makespan_s"]
-    for r in results.values():
-        r["speedup_vs_none"] = base / r["makespan_s"]
-        r["time_saved_vs_none"] = 1.0 - r["makespan_s"] / base
+        n_p, n_s = work["lengths"].shape
+    lengths = np.concatenate(lengths_all)
 
-    # interleave: predicted vs true group work
-    pred: LengthPredictor = work["predictor"]
-    idx = pred.index(work["problem_ids"])
-    pw = pred.predict(idx, np.zeros(n_p)).expected_total * n_s
-    tw = work["lengths"].sum(axis=1).astype(np.float64)
-    tl = (work["lengths"] >= pred.bounds[1]).sum(axis=1)
-    inter = compare_assignments(pw, tw, args.gpus, true_long=tl, seed=args.seed)
+    # ---------------------------------------------------------------- validation
+    la = [config_name(p, pl) for pl in placements for p in LENGTH_AWARE if config_name(p, pl) in table]
+    best = min(la, key=lambda n: table[n]["makespan_s"]) if la else None
+    la_none = [p for p in LENGTH_AWARE if p in table]
+    best_none = min(la_none, key=lambda n: table[n]["makespan_s"]) if la_none else None
+    fig1 = {name: collapse_stats(c["curves"], n_p * n_s, c["makespan"]) for name, c in curves.items() if name in ("none", best_none)}
+    accept = acceptance_profile(stats_pos, stats_sib, args.max_tokens) if "unlimited" in policies else {}
+    fig10 = {}
+    for pl in placements:
+        u = config_name("unlimited", pl)
+        cands = [config_name(p, pl) for p in LENGTH_AWARE if config_name(p, pl) in table]
+        if u in table and cands:
+            b = min(cands, key=lambda n: table[n]["makespan_s"])
+            ratio = np.array(table[u]["makespan_s_per_seed"]) / np.array(table[b]["makespan_s_per_seed"]) - 1.0
+            m, h = ci95(ratio)
+            fig10[pl] = {"unlimited": u, "best_length_aware": b, "unlimited_slower_by": m, "unlimited_slower_by_ci95": h}
+    validation = {
+        "fig1_running_requests": {"paper": "the effective batch collapses after the first few hundred decode steps, leaving a few long stragglers that set the makespan", "simulator": fig1},
+        "fig4_acceptance": {"paper": "acceptance rises as siblings finish and is very high in repetition loops near the length cap (as the issue describes Fig. 4; REFERENCES.md reports no acceptance numbers)", "simulator": accept},
+        "fig8_makespan": {"paper": "DAS cuts rollout time by more than 50% (7B, DSR-sub, 16K, 8 H100)", "best_length_aware": best, "best_cut": table[best]["cut_vs_none"] if best else None, "best_cut_ci95": table[best]["cut_vs_none_ci95"] if best else None},
+        "fig10_unlimited_vs_length_aware": {"paper": "an unlimited draft budget was up to 15% worse than the length-aware one", "simulator": fig10},
+    }
+    plot_path = None
+    if args.plot and args.plot.lower() != "none" and curves and accept:
+        show = {n: c for n, c in curves.items() if n in ("none", "unlimited", "das", best_none)}
+        plot_path = plot_validation(table, show, accept, Path(args.plot), f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {args.max_tokens} tokens, K={args.max_draft}, {args.seeds} seeds")
 
+    ls = length_stats(lengths, args.max_tokens)
+    ls["loop_share"] = float(np.concatenate(loops_all).mean())
     out: dict[str, Any] = {
-        key: {name: {k: v for k, v in r.items() if not k.startswith("_")} for name, r in results.items()},
+        key: table,
+        "validation": validation,
         "setting": {
             "model": "DeepSeek-R1-Distill-Qwen-7B (Qwen2.5-7B architecture), bf16",
             "gpu": "H100 SXM 80 GB, one engine per GPU (data parallel)",
             "gpus": args.gpus,
             "prompts": n_p,
             "samples": n_s,
-            "max_tokens": work["max_tokens"],
+            "max_tokens": args.max_tokens,
             "max_draft": args.max_draft,
             "replan_every": args.replan_every,
-            "class_budget": class_budget.table[::-1].tolist(),
+            "seeds": args.seeds,
+            "das_quota_tokens_per_step": DAS_QUOTA,
+            "das_gate_running": DAS_GATE,
+            "drafter_ms_per_256": args.drafter_ms_per_256,
+            "launch_ms": args.launch_ms,
+            "additive_cost": args.additive_cost,
             "max_seqs": params.max_seqs,
-            "kv_capacity_tokens": params.kv_capacity_tokens,
-            "timing_noise": params.timing_noise,
-            "seed": args.seed,
-            "step_overhead_ms": args.step_overhead_ms,
-            "length_model": work["length_model"],
-            "acceptance_model": work["acceptance_model"],
-            "tokens_per_step_at": {str(d): float(np.mean(tokens_per_step(np.full(work["k"].shape, float(d)), work["k"], work["a"]))) for d in (1, 2, 4, 8, 16)},
+            "kv_capacity_tokens": roof.kv_capacity_tokens,
+            "length_model": work["length_model"].as_dict() if hasattr(work["length_model"], "as_dict") else work["length_model"],
+            "acceptance_model": am.as_dict(),
         },
-        "costs": {"c_base_s": params.c_base, "c_tok_s": params.c_tok, "c_ctx_s": params.c_ctx, "kv_capacity_tokens": costs["kv_capacity_tokens"], "derivation": costs["derivation"]},
-        "lengths": length_stats(work["lengths"], work["max_tokens"]),
-        "lower_bound_s": {"none": lower_bound_s(work, params, False), "speculative": lower_bound_s(work, params, True)},
-        "interleave": inter,
-        "predictor": summarize_predictor(work),
-        "wall_s": None,
+        "costs": {"roofline": roof.as_dict(), "eq1_offline_fit": linear, "step_examples": cost_examples(roof)},
+        "lengths": ls,
+        "lower_bound_s": {k: ci95(v)[0] for k, v in lb.items()},
+        "plot": str(plot_path) if plot_path else None,
     }
+    print_table(out, key, policies, placements, args)
+    if args.extras and not args.trace:
+        out["kv_tight"] = run_kv_tight(args, params, linear, am)
+    if args.ablations and not args.trace:
+        out["ablations"] = run_ablations(args, params, linear, am, best or "das")
+    return out
 
-    want_plot = args.plot and args.plot.lower() != "none"
-    title = f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {work['max_tokens']} tokens"
-    plot_path = plot({k: v for k, v in results.items() if k in names[:8]}, Path(args.plot), title) if want_plot else None
-    out["plot"] = str(plot_path) if plot_path else None
-    out["wall_s"] = time.perf_counter() - t_start
 
+def cost_examples(roof) -> dict[str, float]:
+    """Step times (ms) of a few decode steps and their roofline knees (draft tokens), for the README."""
+    ex = {}
+    for rows, d, ctx in ((256, 0, 3000), (256, 4, 3000), (256, 16, 3000), (64, 0, 8000), (64, 16, 8000), (4, 0, 12000), (4, 16, 12000), (1, 0, 12000), (1, 16, 12000)):
+        ex[f"rows{rows}_d{d}_ctx{ctx}"] = 1e3 * roof.decode_step_time(rows, d, ctx)
+    for rows, ctx in ((256, 3000), (64, 8000), (4, 12000)):
+        ex[f"knee_draft_tokens_rows{rows}_ctx{ctx}"] = roof.free_draft_tokens(rows, rows * ctx)
+    return ex
+
+
+def print_table(out: dict, key: str, policies, placements, args) -> None:
+    table = out[key]
+    s = out["setting"]
     ls = out["lengths"]
-    print(f"{key}: {n_p} prompts x {n_s} samples on {args.gpus} GPUs, max {work['max_tokens']} tokens, K={args.max_draft}")
-    print(f"lengths: mean {ls['mean']:.0f}, median {ls['median']:.0f}, p90 {ls['p90']:.0f}, at cap {100 * ls['capped_share']:.1f}%")
-    print(f"costs: c_base {1e3 * params.c_base:.2f} ms, c_tok {1e6 * params.c_tok:.1f} us/token, c_ctx {1e9 * params.c_ctx:.1f} ns/context token, KV {params.kv_capacity_tokens:.0f} tokens/GPU")
-    print(f"{'policy':<22}{'makespan s':>11}{'vs none':>9}{'steps':>8}{'tok/step':>9}{'drafted/tok':>12}{'preempt':>8}")
-    for name, r in results.items():
-        print(f"{name:<22}{r['makespan_s']:>11.1f}{r['speedup_vs_none']:>8.2f}x{r['engine_steps_max']:>8d}{r['tokens_per_request_step']:>9.2f}{r['drafted_tokens'] / r['tokens']:>12.2f}{r['preemptions']:>8d}")
+    roof = out["costs"]["roofline"]
+    lin = out["costs"]["eq1_offline_fit"]
+    print(f"{key}: {s['prompts']} prompts x {s['samples']} samples on {s['gpus']} GPUs, max {s['max_tokens']} tokens, K={s['max_draft']}, {s['seeds']} seeds (mean +- 95% t-interval)")
+    print(f"lengths (all seeds): mean {ls['mean']:.0f}, median {ls['median']:.0f}, p90 {ls['p90']:.0f}, at cap {100 * ls['capped_share']:.1f}% (in a repetition loop: {100 * ls['loop_share']:.1f}% of all rollouts)")
+    print(
+        f"roofline step: launch {1e3 * roof['launch_s']:.1f} ms + max(compute at {roof['flops_per_s'] / 1e12:.0f} TFLOP/s, memory at {roof['bytes_per_s'] / 1e12:.2f} TB/s); "
+        f"KV {roof['kv_capacity_tokens']} tokens/GPU; drafter {s['drafter_ms_per_256']:.2f} ms/step at 256 rows"
+    )
+    ex = out["costs"]["step_examples"]
+    print(
+        f"decode step ms (rows, drafts/row, context/row): 256,0,3K {ex['rows256_d0_ctx3000']:.1f}; 256,4,3K {ex['rows256_d4_ctx3000']:.1f}; 256,16,3K {ex['rows256_d16_ctx3000']:.1f}; "
+        f"64,0,8K {ex['rows64_d0_ctx8000']:.1f}; 64,16,8K {ex['rows64_d16_ctx8000']:.1f}; 1,0,12K {ex['rows1_d0_ctx12000']:.2f}; 1,16,12K {ex['rows1_d16_ctx12000']:.2f}; "
+        f"free draft tokens (knee): 256 rows x 3K {ex['knee_draft_tokens_rows256_ctx3000']:.0f}, 64 x 8K {ex['knee_draft_tokens_rows64_ctx8000']:.0f}, 4 x 12K {ex['knee_draft_tokens_rows4_ctx12000']:.0f}"
+    )
+    print(f"Eq. 1 fitted offline to it (das): c_base {1e3 * lin['c_base']:.2f} ms, c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
+    w = 24
+    print("makespan s, mean +- 95% interval (cut vs none, placement none)")
+    print(f"{'policy':<16}" + "".join(f"{'placement ' + pl:>{w}}" for pl in placements))
+    for p in policies:
+        cells = []
+        for pl in placements:
+            n = config_name(p, pl)
+            r = table.get(n)
+            cells.append(f"{r['makespan_s']:6.1f}+-{r['makespan_s_ci95']:4.1f} ({100 * r['cut_vs_none']:+4.0f}%)" if r else "-")
+        print(f"{p:<16}" + "".join(f"{c:>{w}}" for c in cells))
+    print("cut vs none at the same placement, mean +- 95% interval")
+    for p in policies[1:]:
+        cells = []
+        for pl in placements:
+            r = table.get(config_name(p, pl))
+            cells.append(f"{100 * r['cut_vs_none_same_placement']:5.1f}+-{100 * r['cut_vs_none_same_placement_ci95']:4.1f}%" if r else "-")
+        print(f"{p:<16}" + "".join(f"{c:>{w}}" for c in cells))
+    for n in [n for n in table if n.endswith(")")]:
+        r = table[n]
+        base = table.get(n.split(" (")[0], r)
+        print(f"extra: {n}: {r['makespan_s']:.1f} +- {r['makespan_s_ci95']:.1f} s ({100 * r['cut_vs_none']:+.0f}%), preemptions {r['preemptions']:.1f} (as listed: {base['makespan_s']:.1f} s, {base['preemptions']:.1f})")
+    print(f"{'policy+placement':<22}{'tok/row-step':>13}{'drafted/tok':>12}{'preempt':>9}{'moves':>7}")
+    for n, r in table.items():
+        print(f"{n:<22}{r['tokens_per_row_step']:>13.2f}{r['drafted_per_token']:>12.2f}{r['preemptions']:>9.1f}{r['moves']:>7.1f}")
     lb = out["lower_bound_s"]
-    print(f"lower bound (longest request alone): {lb['none']:.1f} s without speculation, {lb['speculative']:.1f} s with K={args.max_draft}")
-    print("interleave (true work per GPU, max/mean): " + ", ".join(f"{m} {v['imbalance']:.3f}" for m, v in inter.items()))
-    p0 = out["predictor"]["checkpoints"].get("0", {})
-    if p0:
-        print("predictor MAE at start (tokens): " + ", ".join(f"{m} {v['mae']:.0f}" for m, v in p0.items()) + f"; initial-class accuracy {out['predictor']['class_accuracy']['initial']:.2f}")
-    if plot_path:
-        print(f"plot: {plot_path}")
-    print(f"wall {out['wall_s']:.1f} s")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(out, indent=1, default=float))
-        print(f"json: {args.json}")
+    print(f"lower bound, the longest request alone at one-row step cost (mean over seeds): {lb['none']:.1f} s without drafts, {lb['speculative']:.1f} s with them")
+    v = out["validation"]
+    f8 = v["fig8_makespan"]
+    if f8["best_length_aware"]:
+        print(f"validation Fig. 8: best length-aware {f8['best_length_aware']}: cut {100 * f8['best_cut']:.1f}% +- {100 * f8['best_cut_ci95']:.1f} vs none (paper: > 50%)")
+    for pl, f in v["fig10_unlimited_vs_length_aware"]["simulator"].items():
+        print(f"validation Fig. 10 (placement {pl}): {f['unlimited']} slower than {f['best_length_aware']} by {100 * f['unlimited_slower_by']:.1f}% +- {100 * f['unlimited_slower_by_ci95']:.1f} (paper: up to 15%)")
+    for name, f in v["fig1_running_requests"]["simulator"].items():
+        print(
+            f"validation Fig. 1 ({name}, seed 0): batch below 50% at {f['t_below_50pct_s']:.0f} s, below 10% at {f['t_below_10pct_s']:.0f} s "
+            f"(steps {f['steps_below_50pct_on_last_gpu']} / {f['steps_below_10pct_on_last_gpu']} of {f['steps_on_last_gpu']} on the last GPU); {100 * f['tail_share_below_10pct']:.0f}% of the makespan below 10%"
+        )
+    acc = v["fig4_acceptance"]["simulator"]
+    if acc:
+        print(
+            f"validation Fig. 4 (unlimited, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, in loops {acc['overall_tokens_per_step_in_loops']:.2f}; "
+            "by finished siblings on the engine ("
+            + ", ".join(f"{c}: {x:.2f}" for c, x in enumerate(acc["tokens_per_step_by_finished_siblings"]) if c % 5 == 0 or c == len(acc["tokens_per_step_by_finished_siblings"]) - 1)
+            + "); all rows by position (K tokens): "
+            + ", ".join(f"{p / 1000:.1f}: {x:.2f}" for j, (p, x) in enumerate(zip(acc["position_tokens"], acc["tokens_per_step_all_rows"])) if j % 3 == 0 or j == len(acc["position_tokens"]) - 1)
+        )
+    if out.get("plot"):
+        print(f"plot: {out['plot']}")
+
+
+def run_kv_tight(args, params: EngineParams, linear: dict, am: AcceptanceModel, utilization: float = 0.5) -> dict[str, Any]:
+    """The KV-capacity rule where memory is tight: verl's default rollout memory fraction (0.5)
+    leaves ~431K tokens of KV per GPU; ``unlimited`` and ``eq7`` with and without KV-aware drafts."""
+    from dataclasses import replace
+
+    roof = h100_7b_roofline(launch_s=params.roof.launch_s, gpu_memory_utilization=utilization)
+    pp = replace(params, roof=roof)
+    rows = [("none", True), ("unlimited", True), ("unlimited", False), ("eq7", True), ("eq7", False), ("das-roofline", True)]
+    res: dict[str, dict[str, list[float]]] = {}
+    for seed in range(args.seeds):
+        work = synthetic_workload(n_prompts=args.prompts, n_samples=args.samples, max_tokens=args.max_tokens, acceptance_model=am, seed=seed)
+        fresh = requests_factory(work, pp)
+        for pol, kv in rows:
+            r = run_config(work, fresh, pol, "none", args.gpus, pp, linear, seed=seed, kv_aware=kv)
+            d = res.setdefault(pol + ("" if kv else " (KV-unaware)"), {"makespan_s": [], "preemptions": []})
+            d["makespan_s"].append(r["makespan_s"])
+            d["preemptions"].append(r["preemptions"])
+    out: dict[str, Any] = {"gpu_memory_utilization": utilization, "kv_capacity_tokens": roof.kv_capacity_tokens}
+    print(f"KV-tight ({utilization} memory fraction: {roof.kv_capacity_tokens} KV tokens/GPU, placement none, {args.seeds} seeds):")
+    for name, d in res.items():
+        m, h = ci95(d["makespan_s"])
+        out[name] = {"makespan_s": m, "makespan_s_ci95": h, "preemptions": float(np.mean(d["preemptions"]))}
+        print(f"  {name:<26}{m:8.1f} +- {h:4.1f} s, preemptions {np.mean(d['preemptions']):7.1f}")
+    return out
+
+
+def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel, best: str) -> dict[str, Any]:
+    """``none``, ``unlimited`` and the best length-aware configuration under variations of the
+    modelled effects (same seeds, the best configuration's placement for all three): which effect
+    carries how much of the cut."""
+    from dataclasses import replace
+
+    pol, _, pl = best.partition("+")
+    pl = pl or "none"
+    variants = {
+        "as modelled": (params, am),
+        "no loops (loops drafted at the base rate)": (params, am),
+        "what-if: every capped rollout loops": (params, am),
+        "loop acceptance 0.8": (params, replace(am, loop_accept=0.8)),
+        "loop acceptance 0.95": (params, replace(am, loop_accept=0.95)),
+        "no sibling gain": (params, replace(am, sibling_gain=0.0)),
+        f"drafter proposes K={params.max_draft} every step": (params, replace(am, natural_draft=float(params.max_draft))),
+        "additive step cost (compute + memory)": (replace(params, additive_cost=True), am),
+        "drafter 4 ms per step at 256 rows": (replace(params, drafter_ms_per_256=4.0), am),
+    }
+    out: dict[str, Any] = {"policy": best, "placement": pl, "seeds": args.seeds}
+    print(f"ablations (placement {pl}, {args.seeds} seeds; cut vs none at that placement, mean +- 95% interval):")
+    print(f"  {'variant':<44}{'none s':>9}{'unlimited':>18}{pol:>20}")
+    for label, (pp, aa) in variants.items():
+        mk: dict[str, list[float]] = {"none": [], "unlimited": [], pol: []}
+        for seed in range(args.seeds):
+            work = synthetic_workload(n_prompts=args.prompts, n_samples=args.samples, max_tokens=args.max_tokens, acceptance_model=aa, seed=seed)
+            if label.startswith("no loops"):
+                work["loop_at"] = np.full(work["loop_at"].shape, np.inf)
+            elif label.startswith("what-if"):  # capped without a loop: loops from its problem's median length on
+                capped = (work["lengths"] >= args.max_tokens) & ~np.isfinite(work["loop_at"])
+                onset = np.minimum(np.exp(work["mu"])[:, None], args.max_tokens - 1.0)
+                work["loop_at"] = np.where(capped, np.broadcast_to(onset, capped.shape), work["loop_at"])
+            fresh = requests_factory(work, pp)
+            for p in mk:
+                mk[p].append(run_config(work, fresh, p, pl, args.gpus, pp, linear, seed=seed)["makespan_s"])
+        base = np.array(mk["none"])
+        row: dict[str, Any] = {"none_s": ci95(base)[0], "none_s_ci95": ci95(base)[1]}
+        for p in ("unlimited", pol):
+            m = np.array(mk[p])
+            row[f"{p}_s"] = ci95(m)[0]
+            row[f"{p}_cut"], row[f"{p}_cut_ci95"] = ci95(1.0 - m / base)
+        out[label] = row
+        print(
+            f"  {label:<44}{row['none_s']:>9.1f}{row['unlimited_s']:>8.1f} ({100 * row['unlimited_cut']:+4.0f}+-{100 * row['unlimited_cut_ci95']:2.0f}%)"
+            f"{row[f'{pol}_s']:>9.1f} ({100 * row[f'{pol}_cut']:+4.0f}+-{100 * row[f'{pol}_cut_ci95']:2.0f}%)"
+        )
     return out
 
 

@@ -1,72 +1,158 @@
-"""Long-tail simulator: invariants, a case built for eq7 over unlimited, the CLI's JSON keys."""
+"""Long-tail simulator: roofline and KV-capacity rules on hand-computed cases, invariants of every
+policy and placement, the CLI's JSON keys."""
 
 from __future__ import annotations
 
 import json
+import math
 
 import numpy as np
 import pytest
 
-from benchmarks._sim_engine import SimParams, make_scheduler, simulate_gpu
-from benchmarks._sim_workload import LengthModel, fit_length_model, h100_7b_costs
-from benchmarks.simulate import POLICIES, lower_bound_s, main, run_iteration, synthetic_workload
+from benchmarks._sim_engine import EngineParams, Gpu, Requests, allot_drafts, roofline_time
+from benchmarks._sim_place import PLACEMENTS, assign
+from benchmarks._sim_policy import POLICIES, Unlimited, class_budgets
+from benchmarks._sim_workload import AcceptanceModel, LengthModel, Roofline, fit_length_model, fit_linear_cost, h100_7b_roofline
+from benchmarks.simulate import ci95, lower_bound_s, main, requests_factory, run_config, synthetic_workload
 
-COSTS = h100_7b_costs()
+# A toy GPU whose numbers are easy by hand: 1 ms launch, 1 GB of weights at 1 TB/s (1 ms), 1 KB of
+# KV per token, 1 GFLOP per token at 10 TFLOP/s (0.1 ms per token), no attention FLOPs.
+TOY = Roofline(launch_s=1e-3, weight_bytes=1e9, kv_bytes_per_token=1e3, flops_per_token=1e9, attn_flops_per_pair=0.0, bytes_per_s=1e12, flops_per_s=1e13, kv_capacity_tokens=230)
 
 
-def _params(**kw) -> SimParams:
-    base = dict(c_base=COSTS["c_base"], c_tok=COSTS["c_tok"], c_ctx=COSTS["c_ctx"], kv_capacity_tokens=COSTS["kv_capacity_tokens"], max_draft=8)
-    base.update(kw)
-    return SimParams(**base)
+def test_roofline_is_the_max_of_compute_and_memory():
+    # 2 tokens, 202 KV tokens read + 2 written: compute 0.2 ms, memory 1.000204 ms -> 1 + 1.000204
+    assert TOY.step_time(2, 0, 204) == pytest.approx(1e-3 + 1.000204e-3)
+    # 26 tokens: compute 2.6 ms > memory 1.000228 ms -> 1 + 2.6 ms (additive would charge 4.600228)
+    assert TOY.step_time(26, 0, 228) == pytest.approx(3.6e-3)
+    args = (TOY.launch_s, TOY.weight_bytes, TOY.kv_bytes_per_token, TOY.flops_per_token, TOY.attn_flops_per_pair, TOY.bytes_per_s, TOY.flops_per_s)
+    assert roofline_time(26.0, 0.0, 228.0, *args) == pytest.approx(3.6e-3)
+    assert roofline_time(26.0, 0.0, 228.0, *args, True) == pytest.approx(1e-3 + 2.6e-3 + 1.000228e-3)
+    # knee: 2 rows, 200 KV tokens: memory 1.000202 ms, compute 0.2 ms -> 8.00202 more tokens free
+    assert TOY.free_draft_tokens(2, 200) == pytest.approx((1.000202e-3 - 0.2e-3) / 1e-4)
+
+
+def test_h100_constants_are_the_cited_ones():
+    roof = h100_7b_roofline()
+    assert roof.kv_bytes_per_token == 57_344  # 28 layers x 2 x 4 KV heads x 128 x 2 B
+    assert roof.bytes_per_s == pytest.approx(0.8 * 3.35e12) and roof.flops_per_s == pytest.approx(0.6 * 989e12)
+    assert roof.weight_bytes == pytest.approx(14.14e9, rel=0.01)  # 15.2 GB resident minus the embedding
+    assert 850_000 < roof.kv_capacity_tokens < 900_000
+    # a full-batch decode step is memory-bound; a batch-1 step costs launch + weights read
+    assert roof.decode_step_time(1, 16, 1000) == pytest.approx(1e-3 + (14.14e9 + 57_344 * 1017) / 2.68e12, rel=1e-3)
+    assert roof.decode_step_time(256, 16, 3000) > 3 * roof.decode_step_time(256, 0, 3000)
+    fit = fit_linear_cost(roof)
+    assert 0.0 < fit["mean_rel_error"] < 0.3 and fit["c_tok"] > 0
+
+
+def test_allot_drafts_spends_the_budget_in_priority_order():
+    want = np.array([4.0, 4.0, 4.0, 4.0])
+    running = np.array([True, True, True, False])
+    out = allot_drafts(want, np.array([3, 2, 0, 1]), running, 6.0)
+    np.testing.assert_allclose(out, [2.0, 0.0, 4.0, 0.0])  # row 3 is not running; row 0 gets the rest
+    np.testing.assert_allclose(allot_drafts(want, np.arange(4), running, 100.0), [4, 4, 4, 0])
+    np.testing.assert_allclose(allot_drafts(want, np.arange(4), running, -3.0), 0)
+
+
+def _two_requests(kv_aware: bool):
+    """Two looping requests of 12 tokens with 100-token prompts on the toy GPU (KV 230 tokens),
+    unlimited K=16. Without drafts their KV peaks at 224 tokens: no preemption is needed."""
+    am = AcceptanceModel()
+    k, a = np.full(2, 0.6), np.full(2, 1.0)
+    req = Requests(
+        length=np.full(2, 12.0), prompt=np.full(2, 100.0), loop_at=np.zeros(2), group=np.array([0, 1]), problem_idx=np.full(2, -1),
+        k=k, a=a, tau_tab=am.tau_table(k, a, 1, 16), tau_loop=am.loop_tau(16), nat_draft=3.7,
+    )  # fmt: skip
+    params = EngineParams(roof=TOY, max_draft=16, drafter_ms_per_256=0.0, max_tokens=64)
+    gpu = Gpu(0, req, np.arange(2), Unlimited(16, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
+    gpu.run_until(0.022)  # step 1 (prefill of 200 tokens, compute-bound) ends at 21 ms, step 2 after it
+    after_two = req.gen.copy()
+    gpu.run_until()
+    return gpu, req, after_two
+
+
+def test_kv_aware_drafts_never_force_a_preemption():
+    gpu, req, after_two = _two_requests(kv_aware=True)
+    rec = gpu.records()
+    assert rec["dt"][0] == pytest.approx(1e-3 + 200 * 1e-4)
+    # step 1: both prefilled (100 + 1 <= 227.7, 202 <= 227.7), one token each. Step 2: KV 202, two
+    # sampled slots and two more for the next step leave 230 - 202 - 4 = 24 draft tokens: 16 for
+    # row 0 (first in order), 8 for row 1 -> 26 tokens, compute-bound: 1 + 2.6 ms.
+    assert rec["n"][1] == pytest.approx(26.0)
+    assert rec["dt"][1] == pytest.approx(3.6e-3)
+    assert after_two[0] == pytest.approx(1 + (1 - 0.9**17) / 0.1)  # 16 drafts in a loop at q = 0.9
+    assert after_two[1] == pytest.approx(1 + (1 - 0.9**9) / 0.1)  # 8 drafts
+    assert gpu.preemptions == 0 and np.all(req.status == 2) and req.gen.sum() == pytest.approx(24)
+
+
+def test_kv_unaware_drafts_preempt():
+    gpu, req, after_two = _two_requests(kv_aware=False)
+    assert after_two[1] == 1.0  # preempted in step 2 before it could advance
+    # step 2 wants 202 + 2 + 32 = 236 > 230 slots: vLLM preempts the newest request
+    assert gpu.preemptions >= 1
+    assert np.all(req.status == 2) and req.gen.sum() == pytest.approx(24)
+
+
+def test_ci95_and_class_budgets():
+    m, h = ci95([1.0, 2.0, 3.0])
+    assert m == 2.0 and h == pytest.approx(4.303 / math.sqrt(3))
+    assert ci95([5.0]) == (5.0, 0.0)
+    b = class_budgets([0, 0], [100.0, 100.0], [0.6, 0.6], [1.0, 1.0], 6e-3, 2e-5, 16)
+    assert b.tolist() == [0, 0, 0]  # Short never drafts
+    b = class_budgets([2, 2, 0], [10_000.0, 9_000.0, 50.0], [0.6] * 3, [1.0] * 3, 6e-3, 2e-5, 16)
+    assert b[0] == 0 and 1 <= b[2] <= 16
+
+
+def test_acceptance_model_states():
+    am = AcceptanceModel()
+    np.testing.assert_allclose(am.loop_tau(3), [1.0, 1.9, 2.71, 3.439])
+    k = am.sibling_k(np.array([0.6, 0.6]), np.array([0, 15]), 16)
+    assert k[0] == pytest.approx(0.6) and k[1] == pytest.approx(0.7)
+    tab = am.tau_table([0.6], [1.0], 16, 4)
+    assert tab.shape == (1, 16, 5) and np.all(np.diff(tab[0, :, 4]) > 0) and np.all(tab[0, :, 0] == 1.0)
 
 
 @pytest.fixture(scope="module")
-def small_work():
+def small():
     lm = LengthModel(median=600, max_tokens=4096)
-    return synthetic_workload(n_prompts=16, n_samples=4, max_tokens=4096, length_model=lm, seed=3)
+    work = synthetic_workload(n_prompts=16, n_samples=4, max_tokens=4096, length_model=lm, seed=3)
+    params = EngineParams(roof=h100_7b_roofline(), max_draft=8, max_tokens=4096)
+    return work, params, fit_linear_cost(params.roof, max_draft=8)
 
 
+@pytest.mark.parametrize("placement", PLACEMENTS)
 @pytest.mark.parametrize("policy", POLICIES)
-def test_invariants(small_work, policy):
-    params = _params()
-    r = run_iteration(small_work, policy, 2, params, interleave=policy == "eq7")
-    lengths = small_work["lengths"]
-    assert r["tokens"] == pytest.approx(lengths.sum())  # every token generated, none twice
-    for g in r["_gpus"]:
-        assert np.all(np.isfinite(g.finish_s))  # every request finished
-        assert g.rec_batch.max() <= params.max_seqs and np.all(np.diff(g.rec_t) > 0)
-    assert r["makespan_s"] >= lower_bound_s(small_work, params, speculative=policy != "none") - 1e-9
+def test_invariants(small, policy, placement):
+    work, params, lin = small
+    r = run_config(work, requests_factory(work, params), policy, placement, 2, params, lin, seed=1)
+    assert r["tokens"] == pytest.approx(work["lengths"].sum())  # every token generated, none twice
+    assert r["makespan_s"] >= lower_bound_s(work, params, speculative=policy != "none") - 1e-9
+    assert r["accepted_per_token"] <= r["drafted_per_token"] + 1e-12
     if policy == "none":
-        assert r["drafted_tokens"] == 0 and r["accepted_tokens"] == 0
-        assert r["makespan_s"] >= lower_bound_s(small_work, params, speculative=False)
-    assert r["accepted_tokens"] <= r["drafted_tokens"] + 1e-9
+        assert r["drafted_per_token"] == 0
+        assert r["makespan_s"] >= lower_bound_s(work, params, speculative=False)
 
 
-def test_preemption_keeps_tokens_and_finishes(small_work):
-    params = _params(kv_capacity_tokens=5_000)  # too small for 32 requests of ~700 tokens on 2 GPUs
-    r = run_iteration(small_work, "unlimited", 2, params, interleave=False)
-    assert r["preemptions"] > 0
-    assert r["tokens"] == pytest.approx(small_work["lengths"].sum())
+def test_placements():
+    a = assign(4, 4, 2, "none")
+    assert a.tolist() == [0] * 8 + [1] * 8  # whole groups, contiguous
+    assert assign(4, 4, 2, "split").tolist() == [0, 1] * 8  # every group over both GPUs
+    assert np.bincount(assign(4, 4, 8, "split")).tolist() == [2] * 8
 
 
-def test_eq7_beats_unlimited_where_verification_is_expensive():
-    # 256 requests on one GPU, expensive tokens, a mediocre drafter: drafting K everywhere floods
-    # the batch with verification; eq7 spends drafts only on the long tail.
-    rng = np.random.default_rng(0)
-    n = 256
-    lengths = np.where(rng.random(n) < 0.05, 8000, rng.integers(200, 1500, n))
-    k, a = np.full(n, 0.4), np.full(n, 0.8)
-    params = _params(c_base=4e-3, c_tok=60e-6, c_ctx=0.0, max_draft=16)
-    from scheduler import LengthPredictor
-
-    pred = LengthPredictor(8192)
-    out = {}
-    for policy in ("none", "unlimited", "eq7"):
-        sched = make_scheduler(policy, pred, 16, use_context=False)
-        res = simulate_gpu(lengths, np.full(n, 100), k, a, np.full(n, -1), sched, params, oracle=True)
-        out[policy] = res.makespan_s
-    assert out["unlimited"] > out["none"]  # at batch 256 unlimited drafting is a net loss
-    assert out["eq7"] < out["none"] and out["eq7"] < 0.8 * out["unlimited"]
+def test_rebalance_moves_work_to_the_idle_gpu():
+    lm = LengthModel(median=600, max_tokens=4096)
+    work = synthetic_workload(n_prompts=4, n_samples=4, max_tokens=4096, length_model=lm, seed=0)
+    work["lengths"][:2] = 4000  # GPU 0's groups are long, GPU 1's short
+    work["lengths"][2:] = 200
+    work["loop_at"][:] = np.inf
+    params = EngineParams(roof=h100_7b_roofline(), max_draft=8, max_tokens=4096)
+    lin = fit_linear_cost(params.roof, max_draft=8)
+    fresh = requests_factory(work, params)
+    none = run_config(work, fresh, "none", "none", 2, params, lin)
+    reb = run_config(work, fresh, "none", "rebalance", 2, params, lin)
+    assert reb["moves"] > 0 and reb["tokens"] == pytest.approx(work["lengths"].sum())
+    assert reb["makespan_s"] < none["makespan_s"]
 
 
 def test_fit_length_model_recovers_parameters():
@@ -82,17 +168,41 @@ def test_fit_length_model_recovers_parameters():
         fit_length_model([np.array([1.0])], 100)
 
 
+def test_loops_run_to_the_cap():
+    lm = LengthModel(runaway=0.3)
+    rng = np.random.default_rng(0)
+    lengths, loop_at = lm.sample_detail(lm.sample_problems(64, rng), 16, rng)
+    loops = np.isfinite(loop_at)
+    assert loops.any() and np.all(lengths[loops] == lm.max_tokens) and np.all(loop_at[loops] < lm.max_tokens)
+
+
 def test_cli_writes_the_required_json_keys(tmp_path, capsys):
     path = tmp_path / "sim.json"
-    main(["--prompts", "8", "--samples", "4", "--gpus", "2", "--max-tokens", "2048", "--json", str(path), "--plot", "none", "--no-extras"])
+    main(["--prompts", "8", "--samples", "4", "--gpus", "2", "--max-tokens", "2048", "--seeds", "2", "--json", str(path), "--plot", "none", "--placements", "none,split"])
     data = json.loads(path.read_text())
-    keys = {"none", "unlimited", "class", "eq7", "none+interleave", "unlimited+interleave", "class+interleave", "eq7+interleave"}
+    keys = {p for p in POLICIES} | {f"{p}+split" for p in POLICIES}
     assert set(data["paper_setting"]) == keys
     for k in keys:
-        assert data["paper_setting"][k]["makespan_s"] > 0
+        row = data["paper_setting"][k]
+        assert row["makespan_s"] > 0 and row["makespan_s_ci95"] >= 0 and row["seeds"] == 2
+        assert row["makespan_s"] == pytest.approx(np.mean(row["makespan_s_per_seed"]), abs=1e-3)
+    assert set(data["validation"]) == {"fig1_running_requests", "fig4_acceptance", "fig8_makespan", "fig10_unlimited_vs_length_aware"}
     assert "makespan" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--gpus", "0", "--plot", "none"])
+
+
+def test_sweep_point_pruning_matches_all_gpus():
+    from benchmarks._sim_sweep import run_point
+
+    params = EngineParams(roof=h100_7b_roofline(), max_draft=16, max_tokens=2048)
+    lin = fit_linear_cost(params.roof)
+    am = AcceptanceModel()
+    pr = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, top=3, policies=("none", "das-roofline"))
+    full = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, policies=("none", "das-roofline"), all_gpus=True)
+    assert pr["simulated_gpus"] < 32
+    for p in ("none", "das-roofline"):
+        assert pr[p]["makespan_s"] == pytest.approx(full[p]["makespan_s"])
 
 
 def test_trace_input(tmp_path):
@@ -108,8 +218,8 @@ def test_trace_input(tmp_path):
                 n = int(min(512, base + rng.integers(0, 40)))
                 rows.append(Rollout(it, it + 1, f"q{p}", s, [1, 2, 3], [7] * n, "stop"))
     path = write_trace(tmp_path / "t.parquet", rows)
-    out = main(["--trace", str(path), "--gpus", "2", "--max-tokens", "512", "--plot", "none", "--no-extras"])
-    assert set(out["trace_setting"]) >= {"none", "eq7", "eq7+interleave"}
+    out = main(["--trace", str(path), "--gpus", "2", "--max-tokens", "512", "--plot", "none", "--seeds", "1", "--placements", "none", "--policies", "none,eq7"])
+    assert set(out["trace_setting"]) >= {"none", "eq7"}
     assert out["trace_setting"]["none"]["tokens"] == sum(len(r.output_ids) for r in rows if r.iteration == 2)
     ev = predictor_cli.main(["--trace", str(path), "--max-tokens", "512"])
     assert ev["checkpoints"]["0"]["predictor"]["n"] == 2 * 6 * 4
