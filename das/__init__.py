@@ -1,10 +1,11 @@
 """das: a lossless speculative-decoding drafter for RL rollouts (per-problem suffix trees).
 
 * :class:`SuffixTree`: depth-bounded weighted suffix trie with frequency-based drafts.
-* :class:`DASDrafter`: per-problem, windowed, version-weighted drafter (start / add / speculate / stop).
+* :class:`DASDrafter`: per-problem, windowed, version-weighted drafter (start / add / speculate / stop),
+  per row or for all rows of an engine step at once (:class:`DraftBatch`).
 """
 
 from das.suffix_tree import Draft, SuffixTree, empty_draft
-from das.drafter import DASDrafter, problem_id
+from das.drafter import DASDrafter, DraftBatch, problem_id
 
-__all__ = ["DASDrafter", "Draft", "SuffixTree", "empty_draft", "problem_id"]
+__all__ = ["DASDrafter", "Draft", "DraftBatch", "SuffixTree", "empty_draft", "problem_id"]

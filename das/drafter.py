@@ -8,6 +8,10 @@ better-scoring draft wins.
 Verbs (arctic-inference-like): :meth:`DASDrafter.begin_iteration`, :meth:`~DASDrafter.start_request`,
 :meth:`~DASDrafter.add_tokens`, :meth:`~DASDrafter.speculate`, :meth:`~DASDrafter.stop_request`,
 :meth:`~DASDrafter.add_rollout`, :meth:`~DASDrafter.evict_problem`, :meth:`~DASDrafter.stats`.
+Per engine step, for all rows at once (one numba call each, no Python loop over rows):
+:meth:`~DASDrafter.add_tokens_batch`, :meth:`~DASDrafter.speculate_batch` (the same results as
+calling :meth:`~DASDrafter.add_tokens` then :meth:`~DASDrafter.speculate` row by row) and
+:meth:`~DASDrafter.num_tokens`.
 
 Down-weighting without rewriting trees: a rollout of policy version ``v`` is stored in its problem
 tree with weight ``decay ** -(v - base)`` (``base``: a per-problem reference version). Drafting
@@ -30,7 +34,8 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from typing import Hashable
+from functools import partial
+from typing import Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -41,7 +46,7 @@ _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _new_tuple = tuple.__new__
 
-__all__ = ["DASDrafter", "problem_id"]
+__all__ = ["DASDrafter", "DraftBatch", "problem_id"]
 
 _RESCALE_LOG2 = 40.0  # rescale a problem tree when a new weight would exceed 2**40
 
@@ -73,27 +78,87 @@ def _check_range(a: np.ndarray, name: str) -> None:
             raise ValueError(f"token {int(a[i])} at index {i} of {name} is out of range [0, {VOCAB_LIMIT})")
 
 
+class DraftBatch(NamedTuple):
+    """Drafts for the rows of one engine step (:meth:`DASDrafter.speculate_batch`).
+
+    ``K`` is the largest budget of the call (0 when there are no rows). Row ``r``'s draft is
+    ``tokens[r, :lengths[r]]`` with path probabilities ``probs[r, :lengths[r]]``, exactly what
+    :meth:`DASDrafter.speculate` returns as ``Draft.tokens`` / ``Draft.probs``.
+
+    Attributes:
+        tokens: ``np.int32[rows, K]`` draft token ids; -1 past each row's length.
+        probs: ``np.float32[rows, K]`` path probabilities (non-increasing along a row): the
+            estimated probability that the first ``j + 1`` draft tokens are all accepted; 0.0 past
+            each row's length.
+        lengths: ``np.int64[rows]`` draft lengths, ``0 <= lengths[r] <= budgets[r]``.
+    """
+
+    tokens: np.ndarray
+    probs: np.ndarray
+    lengths: np.ndarray
+
+
+class _TreeTable:
+    """Buffers of a drafter's trees by tree index, in a numba typed List the batch kernels read.
+
+    A registered tree reports every new buffer it moves to (``SuffixTree._on_mem``), so the table
+    never holds a stale one. ``prior[i]``: the drafting prior of tree ``i`` if it is a problem
+    tree (request trees use the drafter's ``prior``)."""
+
+    def __init__(self):
+        from numba import types
+        from numba.typed import List
+
+        self.bufs = List.empty_list(types.int64[::1])
+        self.prior = np.zeros(16, np.float64)
+        self._free: list[int] = []
+        self._none = np.zeros(1, np.int64)  # what a freed index holds (drops the tree's buffer)
+
+    def add(self, tree: SuffixTree) -> int:
+        """Register ``tree``; returns its index."""
+        if self._free:
+            i = self._free.pop()
+            self.bufs[i] = tree._mem
+        else:
+            i = len(self.bufs)
+            self.bufs.append(tree._mem)
+            if i >= self.prior.shape[0]:
+                self.prior = np.concatenate([self.prior, np.zeros_like(self.prior)])
+        self.prior[i] = 0.0
+        tree._on_mem = partial(self.bufs.__setitem__, i)
+        return i
+
+    def release(self, i: int, tree: SuffixTree) -> None:
+        """Forget tree ``i`` (its index may be reused)."""
+        tree._on_mem = None
+        self.bufs[i] = self._none
+        self.prior[i] = 0.0
+        self._free.append(i)
+
+
 class _Problem:
-    __slots__ = ("tree", "base", "by_version", "live")
+    __slots__ = ("tree", "base", "by_version", "live", "ti")
 
     def __init__(self, max_depth: int, base: int):
         self.tree = SuffixTree(max_depth)
         self.base = base  # weight reference version
         self.by_version: dict[int, list[int]] = {}  # policy version -> sequence ids
         self.live: dict = {}  # request id -> sequence id, of live requests
+        self.ti = -1  # index in the drafter's tree table
 
 
 class _Request:
-    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_slot", "n")
+    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_slot", "h", "rti")
 
-    def __init__(self, pid, problem, seq, version, tree, tree_slot, n):
+    def __init__(self, pid, problem, seq, version, tree, tree_slot, h, rti):
         self.pid = pid
         self.problem = problem  # _Problem, or None once evicted
         self.seq = seq  # sequence id in problem.tree
         self.version = version
         self.tree = tree  # per-request SuffixTree or None
         self.tree_slot = tree_slot  # the request tree's only sequence (id 0), its slot
-        self.n = n  # tokens (prompt + output) so far
+        self.h = h  # handle: row of the drafter's per-request state arrays
+        self.rti = rti  # the request tree's index in the drafter's tree table (-1: none)
 
 
 class DASDrafter:
@@ -158,6 +223,13 @@ class DASDrafter:
         self._problems: OrderedDict[Hashable, _Problem] = OrderedDict()
         self._requests: dict[Hashable, _Request] = {}
         self._buf = (np.empty(64, np.int32), np.empty(64, np.float32))
+        # what the batch kernels read (see the module docstring and das._trie_kernels)
+        self._tab = _TreeTable()
+        self._handles: dict[Hashable, int] = {}  # live request id -> handle
+        self._ri = np.full((16, K.R_COLS), -1, np.int64)  # per handle: R_PT, R_PS, R_RT, R_RS, R_N
+        self._rw = np.ones(16, np.float64)  # per handle: weight of its problem-tree sequence
+        self._hreq: list[_Request | None] = [None] * 16  # handle -> request
+        self._hfree = list(range(15, -1, -1))
 
     # ------------------------------------------------------------------ iterations
     @property
@@ -195,9 +267,13 @@ class DASDrafter:
                 if keep:
                     prob.by_version[ver] = keep
             if not prob.by_version and not prob.live:
-                del self._problems[pid]
+                self._drop_problem(pid)
+            else:
+                self._sync_problem(prob)  # new prior (version); slots, if a removal rebuilt the tree
 
     def _remove_seq(self, prob: _Problem, sid: int) -> None:
+        """Remove a sequence from ``prob``'s tree (the caller then calls :meth:`_sync_problem`:
+        a removal may rebuild the tree, which moves the live sequences' slots)."""
         if sid in prob.tree:
             prob.tree.remove(sid)
 
@@ -209,17 +285,47 @@ class DASDrafter:
             prob.tree.scale(max(self.decay ** (version - prob.base), 1e-300))
             prob.base = version
             e = 0.0
+            self._sync_problem(prob)  # new sequence weights and prior
         return max(math.exp(e), 1e-300)
+
+    def _prior_of(self, prob: _Problem) -> float:
+        """Drafting prior of ``prob``'s tree, in its weight units (one current-version rollout
+        weighs ``decay ** -(version - base)`` there)."""
+        return self.prior * math.exp((self._version - prob.base) * self._log_inv_decay) if self.prior else 0.0
 
     def _problem(self, pid: Hashable) -> _Problem:
         prob = self._problems.get(pid)
         if prob is None:
             prob = _Problem(self.max_depth, self._version)
+            prob.ti = self._tab.add(prob.tree)
+            self._tab.prior[prob.ti] = self._prior_of(prob)
             self._problems[pid] = prob
             self._evict_lru(keep=pid)
         else:
             self._problems.move_to_end(pid)
         return prob
+
+    def _drop_problem(self, pid: Hashable) -> _Problem:
+        """Remove a problem and its tree; its live requests (if any) go on without it."""
+        prob = self._problems.pop(pid)
+        self._tab.release(prob.ti, prob.tree)
+        for rid in prob.live:
+            req = self._requests[rid]
+            req.problem = None
+            self._ri[req.h, K.R_PT] = -1
+            self._ri[req.h, K.R_PS] = -1
+        return prob
+
+    def _sync_problem(self, prob: _Problem) -> None:
+        """Refresh what the batch kernels know of ``prob``: its prior, and its live requests'
+        sequence slots (moved by a rebuild) and weights (changed by a rescale)."""
+        self._tab.prior[prob.ti] = self._prior_of(prob)
+        seqs = prob.tree._seqs
+        for rid, sid in prob.live.items():
+            h = self._requests[rid].h
+            slot, w = seqs[sid]
+            self._ri[h, K.R_PS] = slot
+            self._rw[h] = w
 
     def _evict_lru(self, keep: Hashable) -> None:
         """Evict least recently used problems without live requests (never ``keep``) down to
@@ -231,17 +337,15 @@ class DASDrafter:
             if excess <= 0:
                 break
             if pid != keep and not self._problems[pid].live:
-                del self._problems[pid]
+                self._drop_problem(pid)
                 excess -= 1
 
     def evict_problem(self, problem_id: Hashable) -> bool:
         """Drop a problem's tree and history. Live requests of it keep drafting from their
         request trees only. Returns whether the problem was known."""
-        prob = self._problems.pop(problem_id, None)
-        if prob is None:
+        if problem_id not in self._problems:
             return False
-        for rid in prob.live:
-            self._requests[rid].problem = None
+        self._drop_problem(problem_id)
         return True
 
     def problem_tree(self, problem_id: Hashable) -> SuffixTree | None:
@@ -284,8 +388,24 @@ class DASDrafter:
         seq = prob.tree.add(self._prompt_tail(prompt), self._weight(prob, self._version))
         prob.by_version.setdefault(self._version, []).append(seq)
         prob.live[req_id] = seq
-        self._requests[req_id] = _Request(pid, prob, seq, self._version, tree, tree_slot, prompt.shape[0])
+        h = self._new_handle()
+        rti = self._tab.add(tree) if tree is not None else -1
+        req = self._requests[req_id] = _Request(pid, prob, seq, self._version, tree, tree_slot, h, rti)
+        self._handles[req_id] = h
+        self._hreq[h] = req
+        slot, w = prob.tree._seqs[seq]
+        self._ri[h] = (prob.ti, slot, rti, tree_slot if tree is not None else -1, prompt.shape[0])
+        self._rw[h] = w
         return pid
+
+    def _new_handle(self) -> int:
+        if not self._hfree:
+            n = self._ri.shape[0]
+            self._ri = np.concatenate([self._ri, np.full((n, K.R_COLS), -1, np.int64)])
+            self._rw = np.concatenate([self._rw, np.ones(n, np.float64)])
+            self._hreq.extend([None] * n)
+            self._hfree = list(range(2 * n - 1, n - 1, -1))
+        return self._hfree.pop()
 
     def _prompt_tail(self, prompt: np.ndarray) -> np.ndarray:
         k = min(self.max_depth - 1, prompt.shape[0])
@@ -314,7 +434,7 @@ class DASDrafter:
         rt = req.tree
         if pt is None and rt is None:
             _check_range(arr, "tokens")
-            req.n += m
+            self._ri[req.h, K.R_N] += m
             return
         ps, pw = pt._seqs[req.seq] if pt is not None else (-1, 1.0)
         rs = req.tree_slot if rt is not None else -1
@@ -326,7 +446,7 @@ class DASDrafter:
             pt._finish_insert(ps, arr[da:], pw)
         if db < m:
             rt._finish_insert(rs, arr[db:], 1.0)
-        req.n += m
+        self._ri[req.h, K.R_N] += m
 
     def speculate(self, req_id: Hashable, max_tokens: int) -> Draft:
         """Draft up to ``max_tokens`` tokens for a live request.
@@ -356,7 +476,7 @@ class DASDrafter:
             ps, pprior = -1, 0.0
         else:
             ps = pt._seqs[req.seq][0]  # a rebuild (after removals) may have moved it
-            pprior = self.prior * math.exp((self._version - prob.base) * self._log_inv_decay) if self.prior else 0.0
+            pprior = self._prior_of(prob)
         buf = self._buf
         if buf[0].shape[0] < 4 * max_tokens:
             buf = self._buf = (np.empty(4 * max_tokens, np.int32), np.empty(4 * max_tokens, np.float32))
@@ -369,13 +489,171 @@ class DASDrafter:
             return empty_draft()
         return _new_tuple(Draft, (buf[0][off : off + k].copy(), buf[1][off : off + k].copy(), score, mlen))
 
+    # ------------------------------------------------------------------ batches (one engine step)
+    def add_tokens_batch(self, req_ids: Sequence[Hashable], token_ids: np.ndarray, starts, ends) -> np.ndarray:
+        """Append verified tokens to many live requests in one call: for each row ``r``,
+        ``token_ids[r, starts[r]:ends[r]]`` to request ``req_ids[r]``.
+
+        The same as ``add_tokens(req_ids[r], token_ids[r, starts[r]:ends[r]])`` for ``r`` in
+        order (so a request may appear in several rows), but one numba call for all rows. Made for
+        vLLM's ``token_ids_cpu`` (row ``r`` = the batch's row ``r``: prompt and output tokens so
+        far) with ``starts=None`` and ``ends = num_tokens_no_spec[:rows]``.
+
+        Args:
+            req_ids: sequence (``len()``-able) of live request ids, one per row.
+            token_ids: 2-D integer array (``int32`` as vLLM's, or ``int64``; any other integer
+                dtype is copied), ``shape[0] >= len(req_ids)``; rows past ``len(req_ids)`` are
+                not read. Token ids in ``[0, 2**20)``.
+            starts: 1-D integer array of ``len(req_ids)``, or None for :meth:`num_tokens` of the
+                rows' requests (append what is new; then a request should appear once).
+            ends: 1-D integer array of ``len(req_ids)``. Column ranges (tokens) must satisfy
+                ``0 <= starts[r] <= ends[r] <= token_ids.shape[1]``; ``starts[r] == ends[r]``
+                appends nothing.
+
+        Returns:
+            ``np.int64[rows]``: tokens appended per row (``ends - starts``).
+
+        Raises:
+            KeyError: an id that is not a live request (nothing is appended).
+            ValueError: bad shapes or dtypes, a bad range or an out-of-range token; the message
+                names the row and the value. Everything is checked before anything is appended.
+        """
+        handles = self._handles_of(req_ids)
+        rows = handles.shape[0]
+        tokens = _token_matrix(token_ids, rows)
+        starts = self._ri[handles, K.R_N] if starts is None else _row_vector(starts, "starts", rows)
+        ends = _row_vector(ends, "ends", rows)
+        if rows == 0:
+            return np.zeros(0, np.int64)
+        code, r, c = K.check_batch(tokens, starts, ends)
+        if code:
+            raise ValueError(_batch_error(code, r, c, tokens, starts, ends))
+        row = 0
+        while row < rows:
+            r, part, done = K.add_batch(self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, row)
+            if r < 0:
+                break
+            self._finish_row(self._hreq[handles[r]], tokens[r, starts[r] : ends[r]], part, done)
+            row = r + 1
+        return ends - starts
+
+    def _finish_row(self, req: _Request, seg: np.ndarray, part: int, done: int) -> None:
+        """Finish a row :func:`das._trie_kernels.add_batch` stopped at: a tree ran short of
+        capacity after ``done`` tokens (``part`` 0: the problem tree, 1: the request tree)."""
+        seg = np.ascontiguousarray(seg)
+        if part == 0:
+            pt = req.problem.tree
+            slot, w = pt._seqs[req.seq]
+            pt._finish_insert(slot, seg[done:], w)
+            if req.tree is not None:
+                req.tree._insert(req.tree_slot, seg, 1.0)
+        else:
+            req.tree._finish_insert(req.tree_slot, seg[done:], 1.0)
+
+    def speculate_batch(self, req_ids: Sequence[Hashable], budgets) -> DraftBatch:
+        """Draft for many live requests in one call: row ``r`` gets up to ``budgets[r]`` tokens
+        for request ``req_ids[r]``.
+
+        Row ``r``'s draft is what ``speculate(req_ids[r], budgets[r])`` returns (the same tokens
+        and path probabilities), but one numba call for all rows.
+
+        Args:
+            req_ids: sequence (``len()``-able) of live request ids, one per row.
+            budgets: 1-D integer array of ``len(req_ids)``, draft tokens per row, each ``>= 0``
+                (0: no draft for that row).
+
+        Returns:
+            :class:`DraftBatch` ``(tokens int32[rows, K], probs float32[rows, K], lengths
+            int64[rows])`` with ``K = max(budgets)`` (0 without rows).
+
+        Raises:
+            KeyError: an id that is not a live request.
+            ValueError: ``budgets`` of the wrong shape or dtype, or a negative budget (the
+                message names the row and the value).
+        """
+        handles = self._handles_of(req_ids)
+        rows = handles.shape[0]
+        budgets = _row_vector(budgets, "budgets", rows)
+        kmax = 0
+        if rows:
+            if int(budgets.min()) < 0:
+                r = int(np.argmax(budgets < 0))
+                raise ValueError(f"budgets[{r}] must be >= 0, got {int(budgets[r])}")
+            kmax = int(budgets.max())
+        tokens = np.empty((rows, kmax), np.int32)
+        probs = np.empty((rows, kmax), np.float32)
+        lengths = np.zeros(rows, np.int64)
+        if rows:
+            K.draft_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets,
+                          self.min_token_prob, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
+        return DraftBatch(tokens, probs, lengths)
+
+    def num_tokens(self, req_ids: Sequence[Hashable]) -> np.ndarray:
+        """Tokens (prompt + output) each request has been given so far (its prompt at
+        :meth:`start_request`, then every appended token).
+
+        Returns:
+            ``np.int64[len(req_ids)]``: the prompt's length plus every token appended since.
+
+        Raises:
+            KeyError: an id that is not a live request.
+        """
+        return self._ri[self._handles_of(req_ids), K.R_N]
+
+    def _handles_of(self, req_ids: Sequence[Hashable]) -> np.ndarray:
+        """``int64[len(req_ids)]`` handles of live requests (one C-level pass, no Python loop)."""
+        try:
+            n = len(req_ids)
+        except TypeError:
+            raise ValueError(f"req_ids must be a sequence of request ids, got {type(req_ids).__name__}") from None
+        try:
+            return np.fromiter(map(self._handles.__getitem__, req_ids), np.int64, n)
+        except KeyError as e:
+            raise KeyError(f"unknown request {e.args[0]!r}") from None
+        except TypeError as e:
+            raise ValueError(f"req_ids must hold hashable request ids: {e}") from None
+
+    def _check_batch_state(self) -> None:
+        """Slow check (for tests) that what the batch kernels read agrees with the Python objects;
+        raises AssertionError otherwise."""
+        tab = self._tab
+        assert set(self._handles) == set(self._requests)
+        live_ti = {}
+        for pid, prob in self._problems.items():
+            live_ti[prob.ti] = prob.tree
+            assert tab.prior[prob.ti] == self._prior_of(prob), pid
+        for rid, req in self._requests.items():
+            h = self._handles[rid]
+            assert req.h == h and self._hreq[h] is req
+            row = self._ri[h]
+            if req.problem is not None:
+                slot, w = req.problem.tree._seqs[req.seq]
+                assert (row[K.R_PT], row[K.R_PS]) == (req.problem.ti, slot) and self._rw[h] == w, rid
+            else:
+                assert row[K.R_PT] == -1, rid
+            if req.tree is not None:
+                assert (row[K.R_RT], row[K.R_RS]) == (req.rti, req.tree_slot), rid
+                live_ti[req.rti] = req.tree
+            else:
+                assert row[K.R_RT] == -1, rid
+        for ti, tree in live_ti.items():
+            buf = tab.bufs[ti]
+            assert buf.ctypes.data == tree._mem.ctypes.data and buf.shape == tree._mem.shape, ti
+        assert len(live_ti) + len(tab._free) == len(tab.bufs)
+
     def stop_request(self, req_id: Hashable) -> None:
         """Finish a request: free its request tree; its rollout stays in the problem tree (this
         iteration's history). Unknown ids are ignored (idempotent)."""
         req = self._requests.pop(req_id, None)
         if req is None:
             return
-        req.tree = None
+        h = self._handles.pop(req_id)
+        self._ri[h] = -1
+        self._hreq[h] = None
+        self._hfree.append(h)
+        if req.tree is not None:
+            self._tab.release(req.rti, req.tree)
+            req.tree = None
         prob = req.problem
         if prob is None:
             return
@@ -388,7 +666,9 @@ class DASDrafter:
                 if not lst:
                     del prob.by_version[req.version]
             if not prob.by_version and not prob.live and self._problems.get(req.pid) is prob:
-                del self._problems[req.pid]
+                self._drop_problem(req.pid)
+            elif self._problems.get(req.pid) is prob:
+                self._sync_problem(prob)
 
     def add_rollout(
         self,
@@ -446,6 +726,43 @@ class DASDrafter:
             "requests": len(self._requests),
             "request_tree_bytes": rbytes,
         }
+
+
+def _token_matrix(a, rows: int) -> np.ndarray:
+    """``a`` as a 2-D int32/int64 array with at least ``rows`` rows (no copy when it is one)."""
+    if type(a) is not np.ndarray:
+        a = np.asarray(a)
+    if a.ndim != 2:
+        raise ValueError(f"token_ids must be a 2-D array (rows x tokens), got shape {a.shape}")
+    if a.dtype != _I32 and a.dtype != _I64:
+        if a.dtype.kind not in "iu":
+            raise ValueError(f"token_ids must hold integer token ids, got dtype {a.dtype}")
+        a = a.astype(np.int64)
+    if a.shape[0] < rows:
+        raise ValueError(f"token_ids has {a.shape[0]} rows, fewer than the {rows} request ids")
+    return a
+
+
+def _row_vector(a, name: str, rows: int) -> np.ndarray:
+    """``a`` as an ``int64[rows]`` array (no copy when it is one)."""
+    if type(a) is not np.ndarray or a.dtype != _I64:
+        a = np.asarray(a)
+        if a.dtype.kind not in "iu" and not (a.size == 0 and a.dtype.kind == "f"):
+            raise ValueError(f"{name} must be integers, got dtype {a.dtype}")
+        a = a.astype(np.int64)
+    if a.shape != (rows,):
+        raise ValueError(f"{name} must have shape ({rows},) (one per request id), got {a.shape}")
+    return a
+
+
+def _batch_error(code: int, r: int, c: int, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> str:
+    if code == K.E_START:
+        return f"starts[{r}] must be >= 0, got {int(starts[r])}"
+    if code == K.E_ORDER:
+        return f"ends[{r}] must be >= starts[{r}] = {int(starts[r])}, got {int(ends[r])}"
+    if code == K.E_END:
+        return f"ends[{r}] must be <= token_ids.shape[1] = {tokens.shape[1]}, got {int(ends[r])}"
+    return f"token {int(tokens[r, c])} at token_ids[{r}, {c}] is out of range [0, {VOCAB_LIMIT})"
 
 
 def _int_arg(x, name: str, lo: int | None = None, hi: int | None = None) -> int:

@@ -121,7 +121,7 @@ class SuffixTree:
     """
 
     __slots__ = ("_D", "_mem", "_nd", "_wf", "_ht", "_meta", "_sq", "_pool", "_seqs", "_slots", "_free_slots",
-                 "_next_id", "_buf", "_ptop", "_pgarb", "_zombies", "_ztok")
+                 "_next_id", "_buf", "_ptop", "_pgarb", "_zombies", "_ztok", "_on_mem")
 
     def __init__(self, max_depth: int = 24):
         if isinstance(max_depth, bool) or not isinstance(max_depth, (int, np.integer)) or max_depth < 1:
@@ -129,6 +129,7 @@ class SuffixTree:
         if max_depth > 10_000:
             raise ValueError(f"max_depth must be <= 10000, got {max_depth!r}")
         self._D = int(max_depth)
+        self._on_mem = None  # called with the new buffer whenever the trie moves to one (see _set_views)
         self._next_id = 0
         self._buf = (np.empty(0, np.int32), np.empty(0, np.float32))
         self._seqs: dict[int, list] = {}  # seq id -> [slot, weight]
@@ -166,7 +167,13 @@ class SuffixTree:
         self._ztok = 0
 
     def _set_views(self) -> None:
+        """Point the array views at ``self._mem``; called whenever the trie moves to a new buffer
+        (``_reset``, ``_realloc``), which is also when ``_on_mem`` (if set) hears of it: an owner
+        that hands the buffer to batch kernels (:class:`das.drafter.DASDrafter`) must not keep
+        the old one."""
         self._meta, self._nd, self._wf, self._ht, self._sq, self._pool = K.views(self._mem)
+        if self._on_mem is not None:
+            self._on_mem(self._mem)
 
     def _realloc(self, ncap: int, hcap: int, scap: int, pcap: int) -> None:
         """Move the trie into a buffer with these capacities (never smaller than the used parts)."""

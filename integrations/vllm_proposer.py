@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from das.drafter import DASDrafter
+from das.suffix_tree import Draft
 from integrations import vllm_fixes
 from scheduler.cost_model import CostModel
 from scheduler.regime_cost import TwoRegimeCost
@@ -238,6 +239,7 @@ class DASProposer:
         budgets = np.zeros(rows, np.int64)
         clean = rows > 0  # every row decoded last step too: the step time is a fit sample
         step_tokens = context_tokens = 0  # tokens in the forward pass that just ran, KV tokens it read
+        grown_rows, grown_from, grown_to = [], [], []  # rows whose verified tokens go to the drafter
         for row, sampled in enumerate(sampled_token_ids):
             req_id = batch.req_ids[row]
             num_tokens = int(num_tokens_no_spec[row])
@@ -255,7 +257,9 @@ class DASProposer:
                     req.predicted += req.last_psum
                     self._accepted = 0.99 * self._accepted + (gained - 1)
                     self._predicted = 0.99 * self._predicted + req.last_psum
-                drafter.add_tokens(req_id, token_ids_cpu[row, req.seen:num_tokens])
+                grown_rows.append(row)
+                grown_from.append(req.seen)
+                grown_to.append(num_tokens)
                 req.seen = num_tokens
             step_tokens += 1 + req.last_len
             context_tokens += num_tokens
@@ -265,12 +269,18 @@ class DASProposer:
             req.steps += 1
             reqs[row] = req
             budgets[row] = min(self.k, self.max_model_len - num_tokens - 1)
+        if grown_rows:  # one numba call inserts every row's verified tokens
+            ends = np.array(grown_to, np.int64)
+            # Row i of the matrix must be grown_rows[i]: token_ids_cpu itself when they are 0..n-1.
+            aligned = grown_rows[-1] == len(grown_rows) - 1
+            tokens = token_ids_cpu if aligned else token_ids_cpu[grown_rows, : int(ends.max())]
+            drafter.add_tokens_batch([batch.req_ids[r] for r in grown_rows], tokens, np.array(grown_from, np.int64), ends)
         self._record_step(now, step_tokens, context_tokens, clean, rows)
         budgets = np.minimum(budgets, self._request_caps(reqs))
         if self.budget == "cost" and not self._cost_allows_drafts(reqs, budgets):
             self.stats.skipped_steps += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
-        drafts = [None if reqs[row] is None or budgets[row] <= 0 else drafter.speculate(batch.req_ids[row], int(budgets[row])) for row in range(rows)]
+        drafts = self._speculate(reqs, budgets, batch.req_ids)
         keep = self._step_budget(drafts, reqs)
         out: list[list[int]] = []
         for row, draft in enumerate(drafts):
@@ -289,6 +299,19 @@ class DASProposer:
         if len(self._reqs) > len(requests):
             self._release_finished(requests)
         return out
+
+    def _speculate(self, reqs: list, budgets: np.ndarray, req_ids: list) -> list[Draft | None]:
+        """Every drafting row's draft from one batched drafter call (None for rows that do not draft)."""
+        rows = [row for row in range(len(reqs)) if reqs[row] is not None and budgets[row] > 0]
+        drafts: list[Draft | None] = [None] * len(reqs)
+        if not rows:
+            return drafts
+        found = self.drafter.speculate_batch([req_ids[row] for row in rows], budgets[rows])
+        for i, row in enumerate(rows):
+            n = int(found.lengths[i])
+            if n:
+                drafts[row] = Draft(found.tokens[i, :n], found.probs[i, :n], 0.0, 0)
+        return drafts
 
     def _start(self, req_id: str, row: int, requests: dict, token_ids_cpu: np.ndarray) -> _Req:
         """Bookkeeping for a request seen for the first time; a request with bad options is isolated.

@@ -358,3 +358,158 @@ def test_prior_shrinks_what_was_seen_once():
     assert DASDrafter(prior=0.0, use_request_tree=False).prior == 0.0
     with pytest.raises(ValueError, match="prior"):
         DASDrafter(prior=-1.0)
+
+
+# ---------------------------------------------------------------------- batch verbs (one engine step)
+
+
+def _step_both(rng, a, b, live, toks, width=160):
+    """One engine step: every live request (rows in random order) gets 0-4 tokens, then drafts
+    with a random budget; ``a`` per row, ``b`` with the batch verbs. Drafts must be identical."""
+    rows = [live[i] for i in rng.permutation(len(live))]
+    mat = np.full((len(rows) + 1, width), -5, np.int32)  # an extra row and junk past the ends: not read
+    starts = np.zeros(len(rows), np.int64)
+    ends = np.zeros(len(rows), np.int64)
+    for r, rid in enumerate(rows):
+        s0 = len(toks[rid])
+        toks[rid] += rng.integers(0, 4, int(rng.integers(0, 5))).tolist()
+        mat[r, : len(toks[rid])] = toks[rid]
+        starts[r], ends[r] = s0, len(toks[rid])
+        a.add_tokens(rid, mat[r, s0 : ends[r]])
+    assert b.num_tokens(rows).tolist() == starts.tolist()
+    appended = b.add_tokens_batch(rows, mat, starts if rng.random() < 0.5 else None, ends)
+    assert appended.tolist() == (ends - starts).tolist()
+    assert b.num_tokens(rows).tolist() == ends.tolist()
+    budgets = rng.integers(0, 9, len(rows))
+    got = b.speculate_batch(rows, budgets)
+    assert got.tokens.dtype == np.int32 and got.probs.dtype == np.float32 and got.lengths.dtype == np.int64
+    assert got.tokens.shape == got.probs.shape == (len(rows), int(budgets.max(initial=0)))
+    for r, rid in enumerate(rows):
+        want = a.speculate(rid, int(budgets[r]))
+        k = int(got.lengths[r])
+        assert got.tokens[r, :k].tolist() == want.tokens.tolist()
+        assert got.probs[r, :k].tolist() == want.probs.tolist()
+        assert (got.tokens[r, k:] == -1).all() and (got.probs[r, k:] == 0.0).all()
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_batch_verbs_match_the_per_row_verbs(seed, monkeypatch):
+    """Random workloads through both paths: windows expire, weights rescale, trees rebuild, grow
+    and are evicted, problems are evicted under live requests; drafts stay identical."""
+    import das.suffix_tree as st
+
+    monkeypatch.setattr(st, "_REBUILD_MIN_TOKENS", 16)  # rebuild often (moves live sequences' slots)
+    rng = np.random.default_rng(seed)
+    kw = dict(window=2, decay=0.5, max_problems=3, use_request_tree=seed % 3 != 0, max_depth=6, prior=0.3,
+              min_token_prob=0.05)
+    a, b = DASDrafter(**kw), DASDrafter(**kw)
+    live, toks, nid = [], {}, 0
+    for v in range(0, 60, 3):  # decay 0.5, 3 versions a step: rescales within a problem's life
+        a.begin_iteration(v)
+        b.begin_iteration(v)
+        for _ in range(int(rng.integers(1, 4))):
+            prompt = [int(rng.integers(0, 5))] * int(rng.integers(1, 4))
+            a.start_request(nid, prompt)
+            b.start_request(nid, prompt)
+            live.append(nid)
+            toks[nid] = list(prompt)
+            nid += 1
+        if rng.random() < 0.2:
+            pid = a._requests[live[0]].pid
+            assert a.evict_problem(pid) == b.evict_problem(pid)
+        for _ in range(int(rng.integers(1, 5))):
+            _step_both(rng, a, b, live, toks)
+            b._check_batch_state()
+        for rid in list(live):
+            if rng.random() < 0.3 or len(toks[rid]) > 120:
+                a.stop_request(rid)
+                b.stop_request(rid)
+                live.remove(rid)
+        b._check_batch_state()
+    assert a.stats() == b.stats()
+
+
+def test_batch_insert_grows_trees_and_repeats_rows():
+    """Many tokens at once overflow fresh trees mid-batch (the kernel stops, Python grows the
+    tree and resumes); a request on several rows gets its rows in order."""
+    a, b = DASDrafter(**PLAIN), DASDrafter(**PLAIN)
+    rng = np.random.default_rng(11)
+    seqs = {rid: rng.integers(0, 50, 700).astype(np.int32) for rid in ("x", "y", "z")}
+    for d in (a, b):
+        for rid in seqs:
+            d.start_request(rid, PROMPT)
+    rows = ["x", "y", "x", "z", "y", "z"]
+    mat = np.stack([seqs[r] for r in rows])
+    cuts = {"x": [0, 300, 700], "y": [0, 650, 700], "z": [0, 0, 700]}
+    seen = {r: 0 for r in seqs}
+    starts, ends = [], []
+    for r in rows:
+        i = seen[r]
+        starts.append(cuts[r][i])
+        ends.append(cuts[r][i + 1])
+        seen[r] += 1
+        a.add_tokens(r, seqs[r][starts[-1] : ends[-1]])
+    b.add_tokens_batch(rows, mat, np.array(starts), np.array(ends, np.int32))
+    b._check_batch_state()
+    for rid in seqs:
+        got = b.speculate_batch([rid], [8])
+        assert a.speculate(rid, 8).tokens.tolist() == got.tokens[0, : got.lengths[0]].tolist()
+        assert b.num_tokens([rid]).tolist() == [len(PROMPT) + 700]
+    assert a.stats() == b.stats()
+    for prob in b._problems.values():
+        prob.tree.check_invariants()
+
+
+def test_batch_verbs_accept_views_and_empty_batches():
+    d = DASDrafter(**PLAIN)
+    d.add_rollout(PROMPT, list(range(40, 60)))
+    d.start_request("r", PROMPT)
+    big = np.zeros((3, 40), np.int64)
+    big[1, :10] = np.arange(40, 50)
+    view = big[1:, ::2]  # not contiguous, int64
+    d.add_tokens_batch(["r"], big[1:, :], [0], [6])
+    d.add_tokens_batch(["r"], view, [3], [5])  # view[0, 3:5] = tokens 46, 48
+    assert d.problem_tree(problem_id(PROMPT)).sequence(d._requests["r"].seq).tolist()[-8:] == [40, 41, 42, 43, 44, 45, 46, 48]
+    out = d.speculate_batch([], np.zeros(0, np.int64))
+    assert out.tokens.shape == (0, 0) and out.lengths.shape == (0,)
+    d.add_tokens_batch([], np.zeros((0, 5), np.int32), [], [])
+    assert d.speculate_batch(["r"], [0]).tokens.shape == (1, 0)
+    assert d.num_tokens([]).shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "call, err, needle",
+    [
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m, [0, -1], [2, 2]), ValueError, r"starts\[1\].*-1"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m, [0, 3], [2, 2]), ValueError, r"ends\[1\].*starts\[1\] = 3.*got 2"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m, [0, 0], [9, 2]), ValueError, r"ends\[0\].*8.*got 9"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m, [0, 0], [2, 5]), ValueError, rf"token {VOCAB_LIMIT}.*\[1, 4\]"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m, [0, 0], [2, 4]), None, None),  # (valid, for contrast)
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m, [0], [2, 2]), ValueError, r"starts.*\(2,\).*\(1,\)"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m, [0.0, 1.0], [2, 2]), ValueError, "starts.*float64"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m[0], [0, 0], [2, 2]), ValueError, r"2-D.*\(8,\)"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m[:1], [0, 0], [2, 2]), ValueError, "1 rows.*2 request"),
+        (lambda d, m: d.add_tokens_batch(["r", "s"], m.astype(np.float32), [0, 0], [2, 2]), ValueError, "float32"),
+        (lambda d, m: d.add_tokens_batch(["r", "nope"], m, [0, 0], [2, 2]), KeyError, "nope"),
+        (lambda d, m: d.speculate_batch(["r", "s"], [4, -3]), ValueError, r"budgets\[1\].*-3"),
+        (lambda d, m: d.speculate_batch(["r", "s"], [4]), ValueError, r"budgets.*\(2,\)"),
+        (lambda d, m: d.speculate_batch(["r", "s"], [4.5, 1]), ValueError, "budgets.*float64"),
+        (lambda d, m: d.speculate_batch(["r", "gone"], [4, 1]), KeyError, "gone"),
+        (lambda d, m: d.num_tokens(["r", "gone"]), KeyError, "gone"),
+        (lambda d, m: d.speculate_batch(7, [4]), ValueError, "req_ids.*int"),
+    ],
+)
+def test_batch_verbs_reject_bad_input_and_change_nothing(call, err, needle):
+    d = DASDrafter()
+    d.start_request("r", PROMPT)
+    d.start_request("s", PROMPT)
+    m = np.arange(16, dtype=np.int32).reshape(2, 8)
+    m[1, 4] = VOCAB_LIMIT
+    before = d.stats()
+    if err is None:
+        call(d, m)
+        assert d.num_tokens(["r", "s"]).tolist() == [len(PROMPT) + 2, len(PROMPT) + 4]
+        return
+    with pytest.raises(err, match=needle):
+        call(d, m)
+    assert d.stats() == before and d.num_tokens(["r", "s"]).tolist() == [len(PROMPT)] * 2

@@ -131,7 +131,7 @@ def test_failure_gives_empty_drafts_and_is_counted(caplog):
     def boom(*a, **k):
         raise RuntimeError("drafter exploded")
 
-    prop.drafter.speculate = boom
+    prop.drafter.speculate_batch = boom
     drafts = prop.propose([[2]], eng.lens, eng.tokens)
     assert drafts == [[]]
     assert prop.stats.failures == 1

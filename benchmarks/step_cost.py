@@ -1,0 +1,325 @@
+"""Drafter CPU per engine step: the per-row verbs against the batch verbs, on a recorded trace.
+
+``python -m benchmarks.step_cost [--trace PATH] [--rows 16,64,256,1024] [--k 16] [--json PATH]``
+
+What one engine step asks of the drafter, as vLLM's proposer drives it: every running request
+appends the tokens its last verification accepted, then drafts up to K tokens. Measured per step
+(wall and thread CPU time, milliseconds) for two ways of doing it:
+
+* ``per_row`` (old): ``add_tokens(req_id, tokens)`` for each row, then ``speculate(req_id, K)``
+  for each row, from Python;
+* ``batch`` (new): ``add_tokens_batch(req_ids, token_ids, None, ends)`` (``starts=None``: from
+  the drafter's own token counts) and ``speculate_batch(req_ids, budgets)``: two calls, whatever
+  the number of rows.
+
+The workload: the trace's last iteration is the one being generated, the earlier iterations are
+its problems' history (``add_rollout``, one policy version each). ``rows`` requests run at once;
+when one finishes, the next rollout of the iteration takes its row (a row's first token comes
+from prefill, undrafted). Each step every row gets ``accepted + 1`` tokens, ``accepted`` = the
+longest common prefix of its last draft and the rollout's real continuation (what lossless
+verification accepts for a deterministic drafter). To reach a row count the iteration's rollouts
+are replicated as distinct problems (copy ``c`` of problem ``p`` is problem ``p#c``, with its
+own copy of the history), so that at least ``3 x rows`` rollouts are queued. Only steps with
+every row running count (at most ``--max-steps``). Starting and stopping requests (a few per
+step) is timed apart (``lifecycle_ms_mean``), as it is not per-row work.
+
+Both paths make the same drafts (checked: the runs must take the same number of steps). Each
+path runs ``--repeats`` times, interleaved; as every repeat does exactly the same work step by
+step, a step's time is its fastest over the repeats (which filters out other processes' noise).
+The garbage collector is off while timing.
+
+JSON (``--json``): ``{"rows": {"256": {"p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms",
+"mean_ms", "steps", ..., "per_row": {same keys}}}, "trace": ..., "machine": ...}``: the top-level
+keys of a row count are the batch path's; ``per_row`` holds the old path's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from benchmarks.replay import CACHE, default_trace_path, load_trace
+
+DEFAULT_ROWS = (16, 64, 256, 1024)
+DEFAULT_K = 16
+PATHS = ("per_row", "batch")
+QUEUE = 3  # rollouts queued per row: the run ends when the queue runs dry (about 300 steps on DSR-sub)
+RECORD_HINT = (".venv/bin/das-rollout --data ../shared/data/dsr_sub.parquet --method none --compare '' "
+               "--iterations 2 --prompts 16 --samples 8 --max-tokens 384 "
+               "--trace ~/.cache/das/traces/dsr_sub_none.parquet")
+
+
+def find_trace(path: str | None) -> Path | None:
+    """``path``, else the cached DSR-sub trace of ``benchmarks.replay``, else ``dsr_sub_none.parquet``,
+    else the newest ``*.parquet`` under the trace cache; None if there is none."""
+    if path:
+        return Path(path)
+    for p in (default_trace_path(), CACHE / "dsr_sub_none.parquet"):
+        if p.exists():
+            return p
+    found = sorted(CACHE.glob("*.parquet"), key=lambda p: p.stat().st_mtime, reverse=True) if CACHE.exists() else []
+    return found[0] if found else None
+
+
+class Workload:
+    """The trace, replicated for ``rows`` running requests (see the module docstring)."""
+
+    def __init__(self, iterations, rows: int):
+        current = iterations[-1]
+        self.history = iterations[:-1]
+        copies = max(1, -(-QUEUE * rows // len(current)))
+        self.copies = copies
+        # queued rollouts: (problem id, prompt, full = prompt + output)
+        self.pool = [(f"{r.pid}#{c}", r.prompt, r.full) for c in range(copies) for r in current]
+        self.width = max(full.shape[0] for _, _, full in self.pool)
+        self.rows = rows
+
+    def drafter(self, **config):
+        from das import DASDrafter
+
+        d = DASDrafter(**config)
+        for v, rollouts in enumerate(self.history):
+            d.begin_iteration(v + 1)
+            for c in range(self.copies):
+                for r in rollouts:
+                    d.add_rollout(r.prompt, r.output, problem_id=f"{r.pid}#{c}")
+        d.begin_iteration(len(self.history) + 1)
+        return d
+
+
+def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Run the engine steps of ``work`` through one path; returns per-step times (ns) and counts."""
+    d = work.drafter(**(config or {}))
+    R = work.rows
+    tok = np.zeros((R, work.width), np.int32)  # as vLLM's token_ids_cpu: row r = its request's tokens
+    length = np.zeros(R, np.int64)  # prompt + output length of the row's rollout
+    num = np.zeros(R, np.int64)  # tokens verified so far (vLLM's num_tokens_no_spec)
+    seen = np.zeros(R, np.int64)  # tokens given to the drafter (per-row path's own bookkeeping)
+    rids: list = [None] * R
+    drafts = np.full((R, k), -1, np.int32)
+    dlen = np.zeros(R, np.int64)
+    budgets = np.full(R, k, np.int64)
+    nxt = 0
+    perf, cpu = time.perf_counter_ns, time.thread_time_ns
+    wall_ns: list[int] = []
+    cpu_ns: list[int] = []
+    life_ns = 0
+    steps = 0
+    tokens = 0
+    cols = np.arange(k)
+
+    def start(r: int) -> bool:
+        nonlocal nxt
+        if nxt >= len(work.pool):
+            return False
+        pid, prompt, full = work.pool[nxt]
+        rid = ("req", nxt)
+        nxt += 1
+        n = full.shape[0]
+        tok[r, :n] = full
+        tok[r, n:] = 0
+        length[r] = n
+        d.start_request(rid, prompt, problem_id=pid)
+        rids[r] = rid
+        num[r] = prompt.shape[0] + 1  # prefill samples the first output token, no draft
+        seen[r] = prompt.shape[0]
+        dlen[r] = 0
+        return True
+
+    gc.collect()
+    gc_was = gc.isenabled()
+    gc.disable()
+    try:
+        t0 = perf()
+        for r in range(R):
+            start(r)
+        life_ns += perf() - t0
+        while steps < max_steps:
+            # this step's tokens: each row's accepted draft prefix + 1, from its real continuation
+            fut = np.take_along_axis(tok, np.minimum(num[:, None] + cols, work.width - 1), axis=1)
+            match = (drafts == fut) & (cols < dlen[:, None])
+            acc = np.cumprod(match, axis=1).sum(axis=1)
+            gained = np.minimum(acc + 1, length - num)
+            num += np.where(num > seen, 0, gained)  # a fresh row's prefill token is already counted
+            tokens += int((num - seen).sum())
+            # the drafter's part of the step (timed)
+            if path == "per_row":
+                w0, c0 = perf(), cpu()
+                for r in range(R):
+                    s, e = int(seen[r]), int(num[r])
+                    if e > s:
+                        d.add_tokens(rids[r], tok[r, s:e])
+                out = [d.speculate(rids[r], k) for r in range(R)]
+                c1, w1 = cpu(), perf()
+                for r, dr in enumerate(out):
+                    n = dr.tokens.shape[0]
+                    drafts[r, :n] = dr.tokens
+                    dlen[r] = n
+            else:
+                w0, c0 = perf(), cpu()
+                d.add_tokens_batch(rids, tok, None, num)
+                res = d.speculate_batch(rids, budgets)
+                c1, w1 = cpu(), perf()
+                drafts[:, : res.tokens.shape[1]] = res.tokens
+                dlen[:] = res.lengths
+            wall_ns.append(w1 - w0)
+            cpu_ns.append(c1 - c0)
+            steps += 1
+            seen[:] = num
+            # finished requests leave, queued ones take their rows (timed apart)
+            done = np.flatnonzero(num >= length)
+            if done.size:
+                t0 = perf()
+                ok = True
+                for r in done.tolist():
+                    d.stop_request(rids[r])
+                    ok = start(r) and ok
+                life_ns += perf() - t0
+                if not ok:
+                    break  # the queue ran dry: fewer rows than asked from here on
+    finally:
+        if gc_was:
+            gc.enable()
+    return {"wall_ns": np.asarray(wall_ns, np.int64), "cpu_ns": np.asarray(cpu_ns, np.int64), "steps": steps,
+            "tokens": tokens, "lifecycle_ns": life_ns, "drafter": d.stats()}
+
+
+def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
+    wall = np.min(np.stack([r["wall_ns"] for r in runs]), axis=0) / 1e6
+    cpu_ms = np.min(np.stack([r["cpu_ns"] for r in runs]), axis=0) / 1e6
+    r0 = runs[0]
+    return {
+        "p50_ms": round(float(np.percentile(wall, 50)), 4),
+        "p99_ms": round(float(np.percentile(wall, 99)), 4),
+        "mean_ms": round(float(wall.mean()), 4),
+        "cpu_p50_ms": round(float(np.percentile(cpu_ms, 50)), 4),
+        "cpu_p99_ms": round(float(np.percentile(cpu_ms, 99)), 4),
+        "us_per_row_p50": round(float(np.percentile(wall, 50)) * 1e3 / rows, 3),
+        "steps": int(r0["steps"]),
+        "tokens_per_row_step": round(r0["tokens"] / (r0["steps"] * rows), 3),
+        "lifecycle_ms_mean": round(float(np.mean([r["lifecycle_ns"] for r in runs])) / 1e6 / r0["steps"], 4),
+        "repeats": len(runs),
+    }
+
+
+def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=PATHS) -> dict[str, Any]:
+    work = Workload(iterations, rows)
+    runs: dict[str, list] = {p: [] for p in paths}
+    for i in range(repeats):
+        for p in (paths if i % 2 == 0 else paths[::-1]):
+            print(f"rows {rows}: {p} (repeat {i + 1}/{repeats}) ...", file=sys.stderr, flush=True)
+            runs[p].append(simulate(work, p, k, max_steps))
+    steps = {p: {r["steps"] for r in rs} for p, rs in runs.items()}
+    if len({s for v in steps.values() for s in v}) != 1:
+        raise AssertionError(f"the paths drafted differently (steps per run: {steps})")
+    out = {p: summarize(rs, rows) for p, rs in runs.items()}
+    res = dict(out.get("batch", {}))
+    if "per_row" in out:
+        res["per_row"] = out["per_row"]
+    res["rows"] = rows
+    res["problems"] = len({pid for pid, _, _ in work.pool})
+    res["queued_rollouts"] = len(work.pool)
+    return res
+
+
+def warm_up(iterations, k: int, paths=PATHS) -> None:
+    """Load every kernel (numba's disk cache) and the typed-list code before timing."""
+    small = [rs[:8] for rs in iterations]
+    for p in paths:
+        simulate(Workload(small, 4), p, k, 20)
+
+
+def cpu_model() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return platform.processor() or "unknown"
+
+
+def format_table(report: dict[str, Any]) -> str:
+    head = (f"{'rows':>5} {'path':<8} {'p50_ms':>8} {'p99_ms':>8} {'cpu_p50':>8} {'cpu_p99':>8} {'us/row':>7} "
+            f"{'steps':>6} {'tok/row/step':>12} {'speedup_p50':>11}")
+    lines = [f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, "
+             f"{report['trace']['iterations']} iterations); K = {report['k']}; CPU: {report['machine']['cpu']} "
+             f"({report['machine']['cpu_count']} cores)", "", head, "-" * len(head)]
+    for key, e in report["rows"].items():
+        entries = [("per_row", e.get("per_row")), ("batch", e if "p50_ms" in e else None)]
+        for name, x in entries:
+            if not x:
+                continue
+            sp = ""
+            if name == "batch" and e.get("per_row"):
+                sp = f"{e['per_row']['p50_ms'] / x['p50_ms']:.1f}x"
+            lines.append(f"{key:>5} {name:<8} {x['p50_ms']:>8.3f} {x['p99_ms']:>8.3f} {x['cpu_p50_ms']:>8.3f} "
+                         f"{x['cpu_p99_ms']:>8.3f} {x['us_per_row_p50']:>7.2f} {x['steps']:>6d} "
+                         f"{x['tokens_per_row_step']:>12.3f} {sp:>11}")
+    return "\n".join(lines)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.step_cost", description=__doc__.split("\n\n")[0])
+    p.add_argument("--trace", default=None,
+                   help="rollout trace (parquet); default: a cached one under ~/.cache/das/traces (see find_trace)")
+    p.add_argument("--rows", action="append", default=None,
+                   help="running requests (comma-separated, repeatable); default 16,64,256,1024")
+    p.add_argument("--k", type=int, default=DEFAULT_K, help="draft budget per row and step (K)")
+    p.add_argument("--max-steps", type=int, default=400, help="engine steps per run at most")
+    p.add_argument("--repeats", type=int, default=3, help="runs per path, interleaved (a step's time: its fastest)")
+    p.add_argument("--paths", default=",".join(PATHS), help="per_row, batch or both")
+    p.add_argument("--json", default=None, help="write the report here")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    given = args.rows or [",".join(map(str, DEFAULT_ROWS))]
+    rows = sorted({int(x) for arg in given for x in arg.split(",") if x.strip()})
+    if not rows or min(rows) < 1 or args.k < 1 or args.repeats < 1 or args.max_steps < 1:
+        print("--rows, --k, --repeats and --max-steps must be >= 1", file=sys.stderr)
+        return 2
+    paths = tuple(p for p in PATHS if p in {x.strip() for x in args.paths.split(",")})
+    if not paths:
+        print(f"--paths must name some of {PATHS}", file=sys.stderr)
+        return 2
+    trace = find_trace(args.trace)
+    if trace is None or not trace.exists():
+        where = f" at {trace}" if trace else " cached"
+        print(f"no rollout trace{where}; record one with:\n  {RECORD_HINT}", file=sys.stderr)
+        return 2
+    iterations = load_trace(trace)
+    warm_up(iterations, args.k, paths)
+    report: dict[str, Any] = {
+        "trace": {"path": str(trace), "iterations": len(iterations), "rollouts": sum(len(r) for r in iterations),
+                  "mean_output_tokens": round(float(np.mean([r.output.shape[0] for rs in iterations for r in rs])), 1)},
+        "k": args.k,
+        "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+                    "loadavg_1m_at_start": round(os.getloadavg()[0], 2)},
+        "rows": {},
+    }
+    for n in rows:
+        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths)
+    report["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    print(format_table(report))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(report, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

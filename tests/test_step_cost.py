@@ -1,0 +1,51 @@
+"""The step-cost benchmark: both paths replay the same steps; the report's keys."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from benchmarks.replay import load_trace
+from benchmarks.step_cost import Workload, main, simulate
+from integrations.trace import Rollout, write_trace
+
+
+def _trace(tmp_path, iterations=2, problems=2, samples=3, seed=0):
+    rng = np.random.default_rng(seed)
+    rollouts = []
+    for it in range(iterations):
+        for p in range(problems):
+            base = rng.integers(0, 9, 60).tolist()
+            prompt = [100 + p, 200, 201]
+            for s in range(samples):
+                out = [t if rng.random() < 0.8 else int(rng.integers(0, 9)) for t in base][: int(rng.integers(5, 60))]
+                rollouts.append(Rollout(it, it + 1, f"p{p}", s, prompt, out, "stop"))
+    path = tmp_path / "trace.parquet"
+    write_trace(path, rollouts)
+    return path
+
+
+def test_paths_take_the_same_steps_and_rows_are_replicated(tmp_path):
+    iterations = load_trace(_trace(tmp_path))
+    work = Workload(iterations, rows=8)
+    assert work.copies == 4 and len(work.pool) == 24  # >= 3 x 8 rollouts queued, as distinct problems
+    assert len({pid for pid, _, _ in work.pool}) == 8
+    runs = [simulate(work, path, k=8, max_steps=50) for path in ("per_row", "batch")]
+    assert runs[0]["steps"] == runs[1]["steps"] > 0 and runs[0]["tokens"] == runs[1]["tokens"]
+    assert runs[0]["drafter"] == runs[1]["drafter"]  # the same trees in the end
+    assert runs[1]["wall_ns"].shape == (runs[1]["steps"],)
+
+
+def test_report(tmp_path, capsys):
+    out = tmp_path / "cost.json"
+    args = ["--trace", str(_trace(tmp_path)), "--rows", "2,4", "--rows", "2", "--repeats", "1", "--max-steps", "20"]
+    assert main(args + ["--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert sorted(report["rows"]) == ["2", "4"]
+    e = report["rows"]["4"]
+    for key in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "steps"):
+        assert key in e and key in e["per_row"]
+    assert e["p99_ms"] >= e["p50_ms"] > 0
+    assert "per_row" in capsys.readouterr().out
+    assert main(["--trace", str(tmp_path / "missing.parquet")]) == 2
