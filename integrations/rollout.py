@@ -71,10 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
     p.add_argument("--pool", type=int, default=None, help="problems to draw prompts from (default: P, so every iteration revisits them, as epochs over a small train set do)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (n, the GRPO group size)")
-    p.add_argument("--max-tokens", type=int, default=256, help="max output tokens per rollout")
+    p.add_argument("--max-tokens", type=int, default=1024, help="max output tokens per rollout (1024: long enough for a long tail)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--method", default="das", choices=METHODS, help="the method under test")
-    p.add_argument("--compare", default="none,ngram,suffix", help="comma-separated methods run beside --method ('' for none); 'das:<budget>' runs DAS with another --budget")
+    p.add_argument("--compare", default="none,suffix", help="comma-separated methods run beside --method ('' for none); 'das:<budget>' runs DAS with another --budget")
     p.add_argument("--num-spec-tokens", type=int, default=None, help="K for every speculative method (default: per method)")
     p.add_argument("--window", type=int, default=16, help="DAS window: policy versions kept")
     p.add_argument("--decay", type=float, default=0.9, help="DAS weight of a rollout one policy version older")
@@ -104,6 +104,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if bad:
         p.error(f"--compare: unknown methods {bad}; expected some of {list(METHODS)} or das:<budget> with a budget in {list(BUDGETS)}")
     args.methods = methods
+    if args.num_spec_tokens is not None and args.num_spec_tokens < 1:
+        p.error(f"--num-spec-tokens must be >= 1, got {args.num_spec_tokens}")
+    if any(m.startswith("das") for m in methods):
+        from das.drafter import DASDrafter
+
+        try:  # the drafter's own checks, before any engine starts
+            DASDrafter(window=args.window, decay=args.decay)
+        except (ValueError, TypeError) as exc:
+            p.error(f"--window/--decay: {exc}")
     args.pool = args.pool or args.prompts
     if args.pool < args.prompts:
         p.error(f"--pool ({args.pool}) must be >= --prompts ({args.prompts})")
@@ -131,6 +140,14 @@ def kv_cache_gib(model: str, rows: int, tokens_per_row: int, dtype: str) -> int:
     except (OSError, KeyError, ValueError, TypeError):
         return 0
     return max(1, -(-int(1.25 * rows * tokens_per_row * per_token) // 2**30))
+
+
+def workload_kv_gib(model: str, prompts: list[list[int]], schedule: list[list[int]], args: argparse.Namespace) -> int:
+    """KV cache per engine for this run's batches (0 off the CPU build, or when the user set it)."""
+    if not cpu_runtime.is_cpu_build() or _USER_KV:
+        return 0
+    longest_prompt = max((len(prompts[i]) for chosen in schedule for i in chosen), default=0)
+    return kv_cache_gib(model, args.prompts * args.samples, longest_prompt + args.max_tokens, args.dtype or cpu_runtime.settings().dtype)
 
 
 class MethodRun:
@@ -197,6 +214,7 @@ class MethodRun:
             counters = ("steps", "skipped_steps", "fitted_steps", "rows", "drafts", "draft_tokens", "failures", "propose_s")
             proposer = {k: after_prop[k] - before_prop.get(k, 0) if k in counters else after_prop[k] for k in after_prop}
         stride = max(1, len(batch.step_s) // 200)
+        keep = sorted(set(range(0, len(batch.step_s), stride)) | {len(batch.step_s) - 1}) if len(batch.step_s) else []
         wall = batch.wall_s
         return IterationResult(
             iteration=it, policy_version=version, rollouts=len(lengths), wall_time_s=round(wall, 3), tokens=tokens,
@@ -205,7 +223,7 @@ class MethodRun:
             tokens_per_s=round(tokens / wall, 2), longest_rollout_tokens=int(lengths.max()), mean_rollout_tokens=round(tokens / len(lengths), 1),
             tail_s=round(batch.tail_s(0.9), 3), p50_rollout_tokens=float(np.percentile(lengths, 50)),
             p90_rollout_tokens=float(np.percentile(lengths, 90)), capped_rollouts=int((lengths >= args.max_tokens).sum()),
-            timeline={"t_s": [round(float(x), 3) for x in batch.step_s[::stride]], "running": [int(x) for x in batch.running[::stride]]},
+            timeline={"t_s": [round(float(batch.step_s[i]), 3) for i in keep], "running": [int(batch.running[i]) for i in keep]},
             proposer=proposer,
         )
 
@@ -217,17 +235,15 @@ class MethodRun:
 
 
 def run_side_by_side(methods: list[str], model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]],
-                     args: argparse.Namespace, progress=None, trace_method: str | None = None, rollouts: list | None = None) -> dict[str, list[IterationResult]]:
+                     args: argparse.Namespace, progress=None, trace_method: str | None = None, rollouts: list | None = None,
+                     kv_gib: int | None = None) -> dict[str, list[IterationResult]]:
     """Every iteration of ``schedule`` for every method, alternating their order (A B, B A, ...).
 
-    Returns ``{method: [IterationResult per iteration]}``; the rollouts of ``trace_method`` are
-    appended to ``rollouts`` when it is a list.
+    ``kv_gib``: KV cache per engine (CPU build; None: :func:`workload_kv_gib`). Returns
+    ``{method: [IterationResult per iteration]}``; the rollouts of ``trace_method`` are appended
+    to ``rollouts`` when it is a list.
     """
-    longest_prompt = max((len(prompts[i]) for chosen in schedule for i in chosen), default=0)
-    rows = args.prompts * args.samples
-    kv = 0
-    if cpu_runtime.is_cpu_build():
-        kv = kv_cache_gib(model, rows, longest_prompt + args.max_tokens, args.dtype or cpu_runtime.settings().dtype)
+    kv = workload_kv_gib(model, prompts, schedule, args) if kv_gib is None else kv_gib
     runs: dict[str, MethodRun] = {}
     results: dict[str, list[IterationResult]] = {m: [] for m in methods}
     try:
@@ -326,8 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     from integrations.models import resolve_model
 
     args.methods = drop_unavailable(args.methods, "das-rollout")
-    model = resolve_model(args.model)
-    problems = load_problems(args.data)
+    try:
+        model = resolve_model(args.model)
+        problems = load_problems(args.data)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"das-rollout: error: {exc}", file=sys.stderr)
+        return 2
+    if args.pool > len(problems):
+        print(f"das-rollout: --pool/--prompts {args.pool} > {len(problems)} problems in the data: using all {len(problems)}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model)
     schedule = iteration_prompts(len(problems), args)
     used = sorted({i for chosen in schedule for i in chosen})
@@ -336,6 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     all_prompts = [prompts.get(i, []) for i in range(len(problems))]
     problem_ids = [p.problem_id for p in problems]
     chosen = cpu_runtime.apply_cpu_defaults(args.dtype)
+    kv = workload_kv_gib(model, all_prompts, schedule, args)
+    if chosen is not None and kv:
+        chosen.kvcache_gib = kv
+        chosen.reasons["kv_cache"] = f"sized to {args.prompts * args.samples} rollouts of up to {args.max_tokens} tokens, per engine"
     settings = chosen.as_dict() if chosen is not None else {"device": "cuda"}
     if chosen is not None:
         print(chosen.header())
@@ -344,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     record: list | None = [] if args.trace else None
     with tqdm(total=len(args.methods) * args.iterations, desc="rollout iterations", unit="it", file=sys.stderr) as bar:
         results = run_side_by_side(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar,
-                                   trace_method=args.method, rollouts=record)
+                                   trace_method=args.method, rollouts=record, kv_gib=kv)
     if record is not None:
         from integrations.trace import write_trace
 

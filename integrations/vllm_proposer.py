@@ -174,6 +174,11 @@ class DASProposer:
         self.cost = CostModel(forgetting=0.995, prior=prior, prior_weight=1e12 if prior else 8.0)
         self.regimes = TwoRegimeCost()  # plain vs speculative step times, for the ``cost`` budget
         self._given_costs = prior  # the user's (c_base, c_tok): used as is instead of the fit
+        self._exploring = False  # this step drafts only to re-measure acceptance (see _cost_allows_drafts)
+        self._skipped_run = 0  # steps ruled out since the last one that drafted
+        # Measured steps since the last plain one: when every step drafts, the fit cannot tell a
+        # speculative step's own fixed cost from the base cost, and prices plain steps too high.
+        self._since_plain = 0
         self._last_drafted = 0  # draft tokens verified in the step now running
         self.scheduler = None  # SpeculationScheduler, built on the first step (needs max_tokens)
         self._finished_lengths: dict[str, list[int]] = {}  # problem id -> output lengths, since last iteration
@@ -279,6 +284,7 @@ class DASProposer:
         budgets = np.minimum(budgets, self._request_caps(reqs))
         if self.budget == "cost" and not self._cost_allows_drafts(reqs, budgets):
             self.stats.skipped_steps += 1
+            self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
         drafts = self._speculate(reqs, budgets, batch.req_ids)
         keep = self._step_budget(drafts, reqs)
@@ -384,10 +390,15 @@ class DASProposer:
         self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
         self.cost.observe(step_tokens, interval, context_tokens)
         self.regimes.observe(rows, drafted, interval)
+        self._since_plain = self._since_plain + 1 if drafted else 0
 
     def _calibration(self) -> float:
-        """Accepted / predicted draft tokens, over recent steps (1 until there is evidence)."""
-        return self._accepted / self._predicted if self._predicted > 1.0 else 1.0
+        """Accepted / predicted draft tokens over recent steps, with a prior of 4 tokens at 1.0.
+
+        The prior keeps a run of rejected drafts (say, a junk warm-up request) from pricing every
+        later draft at zero, which would stop drafting, and with it the evidence, for good.
+        """
+        return (self._accepted + 4.0) / (self._predicted + 4.0)
 
     def _row_calibration(self, reqs: list) -> np.ndarray:
         """Per-row acceptance calibration: the request's own accepted / predicted, shrunk toward the global one."""
@@ -405,6 +416,12 @@ class DASProposer:
         if rows == 0 or not budgets.any():
             return False
         prices = self._prices(rows)
+        if prices is not None and self._since_plain >= 16:
+            return False  # a plain step now and then keeps the plain regime's price measured
+        if prices is not None and self._skipped_run >= 32:
+            self._skipped_run = 0
+            self._exploring = True  # after 32 steps ruled out in a row, one step re-measures acceptance
+            return True
         if prices is None:
             # Warm-up: alternate plain and drafting steps until both regimes are measured.
             return self.regimes.n_plain >= self.regimes.min_plain or self.stats.steps % 2 == 1
@@ -436,6 +453,9 @@ class DASProposer:
         prices = self._prices(len(drafts))
         if prices is None:  # warm-up drafting step: a few tokens per row, as the drafter found them
             return np.array([min(4, len(p)) for p in probs], np.int64)
+        if self._exploring:  # exploration step: each row's first draft token only (bounded cost)
+            self._exploring = False
+            return np.array([min(1, len(p)) for p in probs], np.int64)
         self.stats.fitted_steps += 1
         return choose_drafts(probs, *prices, self._row_calibration(reqs))
 
@@ -467,5 +487,5 @@ class DASProposer:
     def snapshot(self) -> dict[str, Any]:
         """Proposer counters plus drafter memory statistics."""
         cost = {"cost_model": self.cost.coefficients(), "cost_samples": self.cost.n_samples, "budget": self.budget,
-                "calibration": self._accepted / self._predicted if self._predicted > 1.0 else 1.0}
+                "calibration": self._calibration(), "step_cost": self.regimes.coefficients()}
         return {**self.stats.as_dict(), **cost, **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}

@@ -79,3 +79,20 @@ def test_kv_cache_size_follows_the_workload(tmp_path):
     assert kv_cache_gib(str(tmp_path), 64, 1300, "bfloat16") == 3  # 1.25 * 64 * 1300 * 23040 B = 2.23 GiB
     assert kv_cache_gib(str(tmp_path), 1, 100, "float32") == 1
     assert kv_cache_gib(str(tmp_path / "missing"), 64, 1300, "bfloat16") == 0
+
+
+def test_bad_settings_are_refused_before_any_engine_starts(tmp_path, capsys):
+    for bad in (["--window", "0"], ["--decay", "1.5"], ["--num-spec-tokens", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            parse_args(bad)
+        assert exc.value.code == 2
+        assert bad[0] in capsys.readouterr().err
+
+
+def test_missing_data_file_is_a_one_line_error(tiny_model, tmp_path, capsys):
+    from integrations.rollout import main
+
+    missing = tmp_path / "nope.parquet"
+    assert main(["--model", tiny_model, "--data", str(missing), "--compare", ""]) == 2
+    err = capsys.readouterr().err
+    assert "das-rollout: error:" in err and "nope.parquet" in err and "Traceback" not in err
