@@ -34,21 +34,8 @@ from integrations.rewards import (
 REPO = Path(__file__).resolve().parents[1]
 LEETCODE = REPO.parent / "shared" / "data" / "leetcode_train.json"
 
-TWO_SUM_TESTS = """
-def check(candidate):
-    assert candidate([2, 7, 11, 15], 9) == [0, 1]
-    assert candidate([3, 2, 4], 6) == [1, 2]
+from test_rewards import TWO_SUM_OK, TWO_SUM_TESTS  # noqa: E402  (pytest puts tests/ on sys.path)
 
-check(Solution().twoSum)
-"""
-TWO_SUM_OK = """class Solution:
-    def twoSum(self, nums: List[int], target: int) -> List[int]:
-        seen = {}
-        for i, x in enumerate(nums):
-            if target - x in seen:
-                return [seen[target - x], i]
-            seen[x] = i
-"""
 REVERSE_TESTS = """
 def check(candidate):
     assert is_same_list(candidate(head = list_node([1, 2, 3, 4, 5])), list_node([5, 4, 3, 2, 1]))
