@@ -282,12 +282,15 @@ class DASProposer:
             drafter.add_tokens_batch([batch.req_ids[r] for r in grown_rows], tokens, np.array(grown_from, np.int64), ends)
         self._record_step(now, step_tokens, context_tokens, clean, rows)
         budgets = np.minimum(budgets, self._request_caps(reqs))
-        if self.budget == "cost" and not self._cost_allows_drafts(reqs, budgets):
+        prices = cal = None
+        if self.budget == "cost":  # priced once per step, used by the gate and by the selection
+            prices, cal = self._prices(rows), self._row_calibration(reqs)
+        if self.budget == "cost" and not self._cost_allows_drafts(budgets, prices, cal):
             self.stats.skipped_steps += 1
             self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
         drafts = self._speculate(reqs, budgets, batch.req_ids)
-        keep = self._step_budget(drafts, reqs)
+        keep = self._step_budget(drafts, prices, cal)
         out: list[list[int]] = []
         for row, draft in enumerate(drafts):
             req = reqs[row]
@@ -405,17 +408,16 @@ class DASProposer:
         glob = self._calibration()
         return np.array([glob if r is None else (r.accepted + 8.0 * glob) / (r.predicted + 8.0) for r in reqs])
 
-    def _cost_allows_drafts(self, reqs: list, budgets: np.ndarray) -> bool:
+    def _cost_allows_drafts(self, budgets: np.ndarray, prices: tuple | None, cal: np.ndarray) -> bool:
         """``cost`` budget, before any lookup: can a draft pay for its verification this step?
 
         Warm-up (the two-regime model not fitted yet) alternates plain and drafting steps, so
         both regimes get measured; after it, drafting is ruled out when even drafts at the best
         calibrated acceptance probability would not raise tokens per second.
         """
-        rows = len(reqs)
+        rows = len(budgets)
         if rows == 0 or not budgets.any():
             return False
-        prices = self._prices(rows)
         if prices is not None and self._since_plain >= 16:
             return False  # a plain step now and then keeps the plain regime's price measured
         if prices is not None and self._skipped_run >= 32:
@@ -425,7 +427,7 @@ class DASProposer:
         if prices is None:
             # Warm-up: alternate plain and drafting steps until both regimes are measured.
             return self.regimes.n_plain >= self.regimes.min_plain or self.stats.steps % 2 == 1
-        best = min(1.0, float(self._row_calibration(reqs).max()))
+        best = min(1.0, float(cal.max()))
         return drafting_can_pay(rows, int(budgets.sum()), *prices, best)
 
     def _prices(self, rows: int) -> tuple[float, float, float] | None:
@@ -444,20 +446,19 @@ class DASProposer:
         plain = max(self.regimes.plain(rows), 1e-9)
         return plain, max(c["c_base"] + c["c_spec"] + c["c_row"] * rows, 1e-9), c["c_draft"]
 
-    def _step_budget(self, drafts: list, reqs: list) -> np.ndarray | None:
+    def _step_budget(self, drafts: list, prices: tuple | None, cal: np.ndarray | None) -> np.ndarray | None:
         """Per-row number of draft tokens to keep (``cost`` budget), or None to keep every draft."""
         if self.budget != "cost":
             return None  # other budgets were applied per request
         empty = np.empty(0, np.float32)
         probs = [empty if d is None else d.probs for d in drafts]
-        prices = self._prices(len(drafts))
         if prices is None:  # warm-up drafting step: a few tokens per row, as the drafter found them
             return np.array([min(4, len(p)) for p in probs], np.int64)
         if self._exploring:  # exploration step: each row's first draft token only (bounded cost)
             self._exploring = False
             return np.array([min(1, len(p)) for p in probs], np.int64)
         self.stats.fitted_steps += 1
-        return choose_drafts(probs, *prices, self._row_calibration(reqs))
+        return choose_drafts(probs, *prices, cal)
 
     def _release_finished(self, requests: dict) -> None:
         # A finished request leaves the runner's request table (a preempted one stays); its
