@@ -150,6 +150,26 @@ def _find_model_runner() -> Any | None:
     return None
 
 
+
+def _likeliest_rows(probs: list[np.ndarray], per_row: int, total: int) -> np.ndarray:
+    """Draft tokens to keep per row: up to ``per_row`` on the rows whose first draft token is likeliest, ``total`` at most.
+
+    Args:
+        probs: per row, the draft's token probabilities (float32, possibly empty).
+        per_row, total: caps in tokens.
+
+    Returns:
+        int64 array of kept draft tokens per row.
+    """
+    keep = np.zeros(len(probs), np.int64)
+    first = np.array([p[0] if len(p) else -1.0 for p in probs], np.float64)
+    for row in np.argsort(-first, kind="stable"):
+        if total <= 0 or first[row] < 0:
+            break
+        keep[row] = min(per_row, len(probs[row]), total)
+        total -= keep[row]
+    return keep
+
 class DASProposer:
     """vLLM ``custom_class`` proposer backed by a :class:`das.drafter.DASDrafter`.
 
@@ -452,11 +472,14 @@ class DASProposer:
             return None  # other budgets were applied per request
         empty = np.empty(0, np.float32)
         probs = [empty if d is None else d.probs for d in drafts]
-        if prices is None:  # warm-up drafting step: a few tokens per row, as the drafter found them
-            return np.array([min(4, len(p)) for p in probs], np.int64)
-        if self._exploring:  # exploration step: each row's first draft token only (bounded cost)
+        # Warm-up and exploration steps draft without prices: keep them cheap at any batch size
+        # (a draft token costs about what a row costs where the forward is compute-bound, so 4
+        # tokens on each of 64 rows made a warm-up step cost ~4 plain steps on an AVX2 CPU).
+        if prices is None:  # warm-up drafting step: up to 4 tokens on the likeliest rows, ~1/4 of the batch's tokens
+            return _likeliest_rows(probs, per_row=4, total=max(4, len(probs) // 4))
+        if self._exploring:  # exploration step: the first draft token of the likeliest rows
             self._exploring = False
-            return np.array([min(1, len(p)) for p in probs], np.int64)
+            return _likeliest_rows(probs, per_row=1, total=max(1, len(probs) // 8))
         self.stats.fitted_steps += 1
         return choose_drafts(probs, *prices, cal)
 

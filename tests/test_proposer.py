@@ -213,3 +213,36 @@ def test_a_request_with_bad_options_loses_only_its_own_draft(bad):
     eng.layout(["good"])
     prop.propose([[6]], eng.lens, eng.tokens)
     assert "bad" not in prop._reqs
+
+
+def test_warm_up_and_exploration_drafts_are_bounded_and_go_to_the_likeliest_rows():
+    from integrations.vllm_proposer import _likeliest_rows
+
+    probs = [np.array([0.2, 0.9], np.float32), np.empty(0, np.float32), np.array([0.9] * 6, np.float32), np.array([0.5] * 3, np.float32)]
+    assert _likeliest_rows(probs, per_row=4, total=5).tolist() == [0, 0, 4, 1]  # 4 on the likeliest, the rest to the next
+    assert _likeliest_rows(probs, per_row=1, total=1).tolist() == [0, 0, 1, 0]
+    assert _likeliest_rows(probs, per_row=4, total=100).tolist() == [2, 0, 4, 3]  # never more than a row has
+
+
+def test_cost_budget_warm_up_step_drafts_a_quarter_of_a_large_batch():
+    # No prices yet (a fresh two-regime model): a drafting warm-up step over 32 rows that could
+    # all draft K tokens keeps at most 32 // 4 = 8 tokens in all, so it stays cheap where the
+    # forward is compute-bound.
+    rows = 32
+    prop_eng = Engine()
+    prop_eng.tokens = np.zeros((rows, MAX_LEN), np.int32)
+    prop_eng.lens = np.zeros(rows, np.int64)
+    prop_eng.runner.input_batch.num_prompt_tokens = np.zeros(rows, np.int64)
+    prop = DASProposer(make_config({"budget": "cost"}), runner=prop_eng.runner)
+    prop.begin_iteration(1)
+    ids = [f"r{i}" for i in range(rows)]
+    for rid in ids:
+        prop_eng.add(rid, [1, 2], {"das_problem_id": "p"})
+        prop_eng.seqs[rid] += [3, 4, 5, 6, 7, 8, 9, 3, 4, 5, 6, 7, 8, 9, 3, 4]
+    prop_eng.layout(ids)
+    drafted = []
+    for _ in range(4):  # warm-up alternates plain and drafting steps
+        out = prop.propose([[4]] * rows, prop_eng.lens, prop_eng.tokens)
+        drafted.append(sum(len(d) for d in out))
+    assert max(drafted) > 0
+    assert max(drafted) <= rows // 4
