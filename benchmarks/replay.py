@@ -66,7 +66,7 @@ class TraceRollout:
 
 
 def load_trace(path: str | Path) -> list[list[TraceRollout]]:
-    """Rollouts of a trace (see :mod:`integrations.trace`), grouped by iteration, in file order.
+    """Rollouts of a trace (see :mod:`integrations.data.trace`), grouped by iteration, in file order.
 
     Rollouts with an empty output are dropped (nothing to replay).
 
@@ -74,7 +74,7 @@ def load_trace(path: str | Path) -> list[list[TraceRollout]]:
         ValueError: naming the path, when the trace has no rollout with output tokens (an empty
             trace replays nothing, and every rate would divide by zero).
     """
-    from integrations.trace import read_trace
+    from integrations.data.trace import read_trace
 
     iters: dict[int, list[TraceRollout]] = {}
     rows = read_trace(path)

@@ -2,14 +2,14 @@
 
 For each data set (default DSR-sub math and LeetCode code), with the real SmolLM2-135M:
 
-1. **Train** a few GRPO steps with the loop of :mod:`integrations.grpo` and DAS inside vLLM
+1. **Train** a few GRPO steps with the loop of :mod:`integrations.rl.grpo` and DAS inside vLLM
    (``--train-method``, default ``das``): rollouts, rewards, policy update, weight sync, drafter
    window advance. The policy weights used at every iteration are kept (bfloat16 copies); the
    loop's own rollouts are reported apart (``train_loop_rollouts``), since they ran beside the
    trainer's memory and threads.
 2. **Replay** the same iterations for every method (``none``: no speculation, ``ngram``:
    vLLM prompt lookup, ``suffix``: vLLM SuffixDecoding / arctic-inference, ``das-sched``: DAS plus
-   the length-aware per-request budget of :class:`integrations.grpo.LengthClassBudget`), one
+   the length-aware per-request budget of :class:`integrations.rl.grpo.LengthClassBudget`), one
    engine per method: at iteration ``v`` the engine gets policy ``v`` by an in-place weight sync
    (prefix cache reset, DAS window advanced), then generates the same prompts with the same seed.
    Every method thus samples from the same sequence of policies; only speculation differs. The
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from integrations import cpu_runtime
+from integrations.vllm_ext import cpu_runtime
 
 METHODS = ("none", "ngram", "suffix", "das", "das-sched")
 DATA = {"dsr_sub": "grpo_dsr_sub", "leetcode": "grpo_leetcode"}
@@ -106,13 +106,13 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     import torch
     from transformers import AutoTokenizer
 
-    from integrations import control
-    from integrations.data import load_problems, render_prompts
-    from integrations.engine import make_llm
-    from integrations.grpo import LengthClassBudget, generate_rollouts, release_engine_state, run
-    from integrations.recipes import load_recipe
-    from integrations.rewards import make_reward_fn, overlong_penalty
-    from integrations.weight_sync import sync_weights
+    from integrations.vllm_ext import control
+    from integrations.data.problems import load_problems, render_prompts
+    from integrations.vllm_ext.engine import make_llm
+    from integrations.rl.grpo import LengthClassBudget, generate_rollouts, release_engine_state, run
+    from integrations.rl.recipes import load_recipe
+    from integrations.rl.rewards import make_reward_fn, overlong_penalty
+    from integrations.vllm_ext.weight_sync import sync_weights
 
     base = load_recipe(DATA[data], _overrides(args, args.train_method))
     weights: dict[int, dict[str, Any]] = {}
@@ -126,7 +126,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
                   on_step=(lambda r: progress.update(1)) if progress is not None else None)
     train_wall = time.perf_counter() - t0
     model_dir = trained.recipe["model"]
-    from integrations.models import resolve_model
+    from integrations.data.models import resolve_model
 
     model_dir = resolve_model(model_dir)
     problems = load_problems(base.data)
@@ -285,7 +285,7 @@ def plot(reports: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def plot_training(log: str | Path, out: str | Path) -> Path:
-    """PNG of a GRPO JSON-lines log (``integrations.grpo``, ``log.json``): reward, length, KL, acceptance per step."""
+    """PNG of a GRPO JSON-lines log (``integrations.rl.grpo``, ``log.json``): reward, length, KL, acceptance per step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cpu_runtime.apply_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from integrations.engine import drop_unavailable
+    from integrations.vllm_ext.engine import drop_unavailable
 
     args.methods = drop_unavailable(args.methods, "benchmarks.rollout")
     from tqdm import tqdm

@@ -170,7 +170,7 @@ class LengthPredictor:
         self._dirty = True
 
     def observe_trace(self, rollouts: Iterable[Any]) -> None:
-        """Record rollouts of a trace (``integrations.trace.Rollout``-like: ``problem_id``,
+        """Record rollouts of a trace (``integrations.data.trace.Rollout``-like: ``problem_id``,
         ``policy_version``, ``output_ids``)."""
         groups: dict[tuple[Any, int], list[int]] = {}
         for r in rollouts:

@@ -1,4 +1,4 @@
-"""Tests for integrations.models: the tiny random model (deterministic, loads in transformers),
+"""Tests for integrations.data.models: the tiny random model (deterministic, loads in transformers),
 model resolution errors. SmolLM2 conversion and vLLM engine runs are behind DAS_SLOW_TESTS=1."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.models import (
+from integrations.data.models import (
     MARKER,
     TINY_CHAT_TEMPLATE,
     build_tiny_model,

@@ -5,7 +5,7 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-from integrations.ray_rollout import Group, RayRolloutDriver  # noqa: E402
+from integrations.rl.ray_rollout import Group, RayRolloutDriver  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from integrations.data import CODE_PRELUDE, Problem
-from integrations.rewards import (
+from integrations.data.problems import CODE_PRELUDE, Problem
+from integrations.rl.rewards import (
     code_reward,
     extract_code,
     last_boxed,
@@ -79,7 +79,7 @@ def test_math_on_dsr_sub_ground_truth(shared_dsr):
 
 @pytest.fixture(scope="module")
 def shared_dsr():
-    from integrations.data import load_verl_parquet, shared_data_dir
+    from integrations.data.problems import load_verl_parquet, shared_data_dir
 
     f = shared_data_dir() / "dsr_sub.parquet"
     if not f.is_file():

@@ -207,7 +207,7 @@ def test_sweep_point_pruning_matches_all_gpus():
 
 def test_trace_input(tmp_path):
     from benchmarks import predictor as predictor_cli
-    from integrations.trace import Rollout, write_trace
+    from integrations.data.trace import Rollout, write_trace
 
     rng = np.random.default_rng(0)
     rows = []

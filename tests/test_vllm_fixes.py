@@ -8,7 +8,7 @@ vllm = pytest.importorskip("vllm")
 
 def test_expand_float_temperatures_after_proposer_import():
     # Importing the proposer module (as vLLM's worker does) must install the fix.
-    import integrations.vllm_proposer  # noqa: F401
+    import integrations.vllm_ext.proposer  # noqa: F401
     from vllm.v1.sample import rejection_sampler
 
     temps = torch.tensor([0.6, 1.0, 0.3], dtype=torch.float32)
@@ -19,7 +19,7 @@ def test_expand_float_temperatures_after_proposer_import():
 
 
 def test_expand_replaces_values_and_handles_empty_requests():
-    from integrations.vllm_fixes import expand_batch_to_tokens
+    from integrations.vllm_ext.fixes import expand_batch_to_tokens
 
     x = torch.tensor([5, 0, 7, 0], dtype=torch.int64)
     cu = torch.tensor([1, 1, 3, 5], dtype=torch.int32)  # request 1 has no draft positions
@@ -29,7 +29,7 @@ def test_expand_replaces_values_and_handles_empty_requests():
 
 def test_engine_scan_survives_llvmlite_objects():
     import numba  # noqa: F401  (puts llvmlite's ffi.lib, which fakes __dict__, in sys.modules)
-    import integrations.vllm_proposer  # noqa: F401
+    import integrations.vllm_ext.proposer  # noqa: F401
     from llvmlite.binding import ffi
     from vllm.triton_utils import dispatcher
 

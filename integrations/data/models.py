@@ -238,7 +238,7 @@ def _tiny_corpus() -> tuple[list[str], str]:
                         texts.append(d["prompt"] + d["canonical_solution"])
             names.append("humaneval")
     if not texts:
-        for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        for f in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):  # all of integrations/, subpackages included
             texts.append(f.read_text(encoding="utf-8"))
         names.append("integrations-source")
     return [t for t in texts if t], "+".join(names)
@@ -411,7 +411,7 @@ def resolve_model(spec: str | os.PathLike | None) -> str:
     if p.is_file() and p.suffix.lower() == ".gguf":
         raise ValueError(
             f"{s!r} is a GGUF file, which vLLM on CPU cannot load; convert it to a Hugging Face "
-            "directory first (see integrations.models.smollm2_path for how)"
+            "directory first (see integrations.data.models.smollm2_path for how)"
         )
     raise ValueError(
         f"model {s!r} is not 'smollm2', 'tiny' or an existing local model directory. Downloads from "

@@ -32,7 +32,7 @@ release v0.9.0; files ``verl/trainer/config/rollout/rollout.yaml``,
   and revisits, as long as the prompt text does not change between epochs.
 * Policy versions: verl drives the weight sync (``vLLMColocateWorkerExtension.update_weights_from_ipc``
   calls ``model_runner.model.load_weights`` in every vLLM worker, bucket by bucket), so the
-  overlay names :class:`integrations.weight_sync.SyncAwareDASProposer`, which advances the
+  overlay names :class:`integrations.vllm_ext.weight_sync.SyncAwareDASProposer`, which advances the
   drafter window at the first engine step after any weight load.
 
 NeMo-RL (checked against NVIDIA-NeMo/RL ``main`` at commit 7ea279ab, 2026-08-22, after v0.7.0;
@@ -46,7 +46,7 @@ NeMo-RL (checked against NVIDIA-NeMo/RL ``main`` at commit 7ea279ab, 2026-08-22,
 * Per-request fields: ``_build_sampling_params`` sets no ``extra_args``, so problems are keyed
   by the prompt-token hash (see above).
 * Refit calls ``self.model_runner.model.load_weights(weights=...)`` in each worker, so
-  :class:`~integrations.weight_sync.SyncAwareDASProposer` advances versions there too.
+  :class:`~integrations.vllm_ext.weight_sync.SyncAwareDASProposer` advances versions there too.
 * vLLM workers run in NeMo-RL's own virtual environment: das must be importable there
   (``policy.generation.vllm_cfg.env_vars.PYTHONPATH`` pointing at a das checkout, or install das
   into that environment).
@@ -77,9 +77,9 @@ __all__ = [
     "load_yaml",
 ]
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-SYNC_AWARE_PROPOSER = "integrations.weight_sync.SyncAwareDASProposer"
-EXPLICIT_PROPOSER = "integrations.vllm_proposer.DASProposer"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+SYNC_AWARE_PROPOSER = "integrations.vllm_ext.weight_sync.SyncAwareDASProposer"
+EXPLICIT_PROPOSER = "integrations.vllm_ext.proposer.DASProposer"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,10 +154,10 @@ class LogSection:
 
 @dataclasses.dataclass
 class Recipe:
-    """Everything the GRPO loop (:mod:`integrations.grpo`) reads."""
+    """Everything the GRPO loop (:mod:`integrations.rl.grpo`) reads."""
 
     model: str | None = None  # None: SmolLM2-135M-Instruct; 'tiny'; a local HF dir
-    data: str | None = "dsr_sub"  # integrations.data.load_problems spec
+    data: str | None = "dsr_sub"  # integrations.data.problems.load_problems spec
     pool: int | None = 64  # problems drawn from (a seeded sample); None: all
     seed: int = 0
     steps: int = 10
@@ -179,7 +179,7 @@ class Recipe:
         Raises:
             ValueError: ``"bad recipe: <section.key> must be ..., got <value>"`` for each bad value.
         """
-        from integrations.engine import METHODS
+        from integrations.vllm_ext.engine import METHODS
 
         bad = _check_fields(self)
         r, s, t = self.rollout, self.speculative, self.train
@@ -199,7 +199,7 @@ class Recipe:
         if bad:
             raise ValueError("bad recipe: " + "; ".join(bad))
         if s.method == "das":
-            from integrations.vllm_proposer import das_section
+            from integrations.vllm_ext.proposer import das_section
 
             try:
                 drafter_kwargs, _ = das_section({"das": dict(s.das)})  # unknown keys / budget settings
@@ -396,7 +396,7 @@ def check_das_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     extra = engine_kwargs.get("additional_config") or {}
     if isinstance(extra, str):
         extra = json.loads(extra)
-    from integrations.vllm_proposer import das_section
+    from integrations.vllm_ext.proposer import das_section
 
     das_section(extra)
     return dict(extra.get("das", {}))

@@ -198,7 +198,7 @@ def shared_data_dir() -> Path:
     env = os.environ.get("DAS_DATA_DIR")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 #: Short names accepted by :func:`load_problems` for files in :func:`shared_data_dir`.
@@ -586,7 +586,7 @@ def render_prompts(problems: Iterable[Problem | Sequence[dict]], tokenizer: Any)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"tokenizer {type(tokenizer).__name__} has no chat template; "
-            "use a chat model (e.g. integrations.models.smollm2_path()) or set tokenizer.chat_template"
+            "use a chat model (e.g. integrations.data.models.smollm2_path()) or set tokenizer.chat_template"
         )
     out: list[list[int]] = []
     for p in problems:
