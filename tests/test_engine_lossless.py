@@ -17,6 +17,8 @@ import torch
 
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.engine  # every test here runs vLLM engines
+
 from integrations.vllm_ext import control  # noqa: E402
 from integrations.vllm_ext.engine import make_llm, spec_counters  # noqa: E402
 

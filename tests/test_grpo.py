@@ -91,6 +91,7 @@ def test_policy_trainer_step_moves_weights_and_reports_clipping(tiny_model):
 # ---- weight sync into a running engine
 
 
+@pytest.mark.engine
 def test_weight_sync_matches_a_fresh_engine_and_needs_a_prefix_cache_reset(tiny_model, tmp_path):
     from integrations.vllm_ext.engine import make_llm
     from integrations.vllm_ext.weight_sync import sync_weights
@@ -118,6 +119,7 @@ def test_weight_sync_matches_a_fresh_engine_and_needs_a_prefix_cache_reset(tiny_
         _release()
 
 
+@pytest.mark.engine
 def test_sync_aware_proposer_advances_on_weight_loads(tiny_model, tmp_path):
     from integrations.vllm_ext.engine import make_llm
     from integrations.rl.recipes import das_speculative_config
@@ -161,6 +163,7 @@ def _toy_reward(problems, texts):
     return [sum(c in "aeiou" for c in t) / max(1, len(t)) + 0.1 * (len(p.prompt_text) % 5) for p, t in zip(problems, texts)]
 
 
+@pytest.mark.engine
 def test_greedy_training_curve_is_identical_with_and_without_das(tiny_model, tmp_path):
     import torch
 
@@ -195,6 +198,7 @@ def _ks_statistic(x, y) -> float:
     return float(np.max(np.abs(np.searchsorted(x, grid, side="right") / len(x) - np.searchsorted(y, grid, side="right") / len(y))))
 
 
+@pytest.mark.engine
 def test_sampled_training_matches_in_distribution(peaked_tiny_model):
     """Under sampling, DAS changes which random numbers are drawn, not the distribution.
 

@@ -216,10 +216,12 @@ def _run_vllm(model: Path, dtype: str, n: int) -> int:
 
 
 @slow
+@pytest.mark.engine
 def test_tiny_model_generates_in_vllm(tiny):
     assert _run_vllm(tiny, "float32", 8) == 8  # a random model does not hit EOS this soon
 
 
 @slow
+@pytest.mark.engine
 def test_smollm2_generates_in_vllm(tmp_path):
     assert 0 < _run_vllm(smollm2_path(tmp_path), "bfloat16", 20) <= 20

@@ -5,6 +5,8 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
+pytestmark = pytest.mark.engine  # each Ray worker builds a vLLM engine
+
 from integrations.rl.ray_rollout import Group, RayRolloutDriver  # noqa: E402
 
 

@@ -193,6 +193,7 @@ def test_verl_agent_loop_adapter_with_a_stand_in_verl(monkeypatch):
 # ---- NeMo-RL
 
 
+@pytest.mark.engine
 def test_nemo_rl_recipe_matches_builder_and_runs_in_vllm(tiny_model):
     """NeMo-RL spreads policy.generation.vllm_kwargs into vllm.LLM(...): do the same with the recipe's kwargs."""
     from vllm import SamplingParams, TokensPrompt

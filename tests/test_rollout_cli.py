@@ -25,6 +25,7 @@ def test_every_method_sees_the_same_prompts():
     assert len({i for s in schedule for i in s}) <= 5  # drawn from a pool of 5 problems, revisited
 
 
+@pytest.mark.engine
 def test_main_job_end_to_end_on_tiny_model(tiny_model, tmp_path):
     pytest.importorskip("vllm")
     from integrations.rollout import main
