@@ -65,14 +65,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         cps = tuple(float(c) for c in args.checkpoints.split(","))
     except ValueError:
-        raise SystemExit(f"--checkpoints must be comma-separated fractions, got {args.checkpoints!r}")
+        raise SystemExit(f"--checkpoints must be comma-separated fractions, got {args.checkpoints!r}") from None
     if args.json:
         from integrations.results import check_output_path
 
         try:
             check_output_path(args.json, overwrite=args.overwrite)
         except ValueError as exc:
-            raise SystemExit(f"predictor: {exc}")
+            raise SystemExit(f"predictor: {exc}") from None
     if args.trace:
         from integrations.data.trace import read_trace
 

@@ -106,12 +106,12 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     import torch
     from transformers import AutoTokenizer
 
-    from integrations.vllm_ext import control
     from integrations.data.problems import load_problems, render_prompts
-    from integrations.vllm_ext.engine import make_llm
     from integrations.rl.grpo import LengthClassBudget, generate_rollouts, release_engine_state, run
     from integrations.rl.recipes import load_recipe
     from integrations.rl.rewards import make_reward_fn, overlong_penalty
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import make_llm
     from integrations.vllm_ext.weight_sync import sync_weights
 
     base = load_recipe(DATA[data], _overrides(args, args.train_method))

@@ -26,7 +26,6 @@ import json
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -338,8 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from integrations.data.problems import load_problems, render_prompts
     from integrations.data.models import resolve_model
+    from integrations.data.problems import load_problems, render_prompts
 
     args.methods = drop_unavailable(args.methods, "das-rollout")
     try:

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from integrations.rl import rewards
 from integrations.data.problems import CODE_PRELUDE, Problem, load_embedded, load_leetcode_json
+from integrations.rl import rewards
 from integrations.rl.rewards import (
     STDERR_CAP,
     SandboxUnavailable,

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from integrations.rl.grpo import RolloutBatch, Rollout, group_advantages
+from integrations.rl.grpo import Rollout, RolloutBatch, group_advantages
 
 
 def _release():
@@ -121,8 +121,8 @@ def test_weight_sync_matches_a_fresh_engine_and_needs_a_prefix_cache_reset(tiny_
 
 @pytest.mark.engine
 def test_sync_aware_proposer_advances_on_weight_loads(tiny_model, tmp_path):
-    from integrations.vllm_ext.engine import make_llm
     from integrations.rl.recipes import das_speculative_config
+    from integrations.vllm_ext.engine import make_llm
     from integrations.vllm_ext.weight_sync import drafter_policy_version, sync_weights
 
     new = _perturbed(tiny_model, tmp_path / "new")

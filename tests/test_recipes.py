@@ -23,7 +23,6 @@ from integrations.rl.recipes import (
     with_das_fields,
 )
 
-
 # ---- our loop
 
 
@@ -198,9 +197,9 @@ def test_nemo_rl_recipe_matches_builder_and_runs_in_vllm(tiny_model):
     """NeMo-RL spreads policy.generation.vllm_kwargs into vllm.LLM(...): do the same with the recipe's kwargs."""
     from vllm import SamplingParams, TokensPrompt
 
+    from integrations.rl.grpo import release_engine_state
     from integrations.vllm_ext import control
     from integrations.vllm_ext.engine import make_llm
-    from integrations.rl.grpo import release_engine_state
 
     cfg = load_yaml(RECIPES_DIR / "nemo_rl" / "grpo_math_1B_das.yaml")
     assert cfg["defaults"] == "grpo_math_1B.yaml"

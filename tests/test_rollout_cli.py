@@ -28,8 +28,8 @@ def test_every_method_sees_the_same_prompts():
 @pytest.mark.engine
 def test_main_job_end_to_end_on_tiny_model(tiny_model, tmp_path):
     pytest.importorskip("vllm")
-    from integrations.rollout import main
     from integrations.data.trace import read_trace
+    from integrations.rollout import main
 
     out, trace = tmp_path / "r.json", tmp_path / "t.parquet"
     rc = main(["--model", tiny_model, "--data", "champ", "--iterations", "2", "--prompts", "2", "--samples", "2",

@@ -8,8 +8,9 @@ vllm = pytest.importorskip("vllm")
 
 def test_expand_float_temperatures_after_proposer_import():
     # Importing the proposer module (as vLLM's worker does) must install the fix.
-    import integrations.vllm_ext.proposer  # noqa: F401
     from vllm.v1.sample import rejection_sampler
+
+    import integrations.vllm_ext.proposer  # noqa: F401
 
     temps = torch.tensor([0.6, 1.0, 0.3], dtype=torch.float32)
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
@@ -29,9 +30,10 @@ def test_expand_replaces_values_and_handles_empty_requests():
 
 def test_engine_scan_survives_llvmlite_objects():
     import numba  # noqa: F401  (puts llvmlite's ffi.lib, which fakes __dict__, in sys.modules)
-    import integrations.vllm_ext.proposer  # noqa: F401
     from llvmlite.binding import ffi
     from vllm.triton_utils import dispatcher
+
+    import integrations.vllm_ext.proposer  # noqa: F401
 
     assert dispatcher.vars(ffi.lib) == {}
     assert dispatcher.vars(dispatcher)["__name__"] == dispatcher.__name__

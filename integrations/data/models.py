@@ -306,9 +306,11 @@ def _build_tiny(out: Path, arch: str, vocab_size: int, seed: int) -> None:
         tie_word_embeddings=False,
     )
     if arch == "llama":
-        from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
     else:
-        from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
     config = Config(**common)
     config.dtype = torch.float32
     with torch.device("cpu"):

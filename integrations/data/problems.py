@@ -28,9 +28,10 @@ import gzip
 import importlib.util
 import json
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "Problem",
@@ -258,7 +259,7 @@ def _messages(raw: Any, where: str, key: str = "prompt") -> list[dict]:
     return out
 
 
-def _unique_ids(problems: list["Problem"], rows: list[int], path: Path) -> list["Problem"]:
+def _unique_ids(problems: list[Problem], rows: list[int], path: Path) -> list[Problem]:
     seen: dict[str, int] = {}
     for p, row in zip(problems, rows):
         if p.problem_id in seen:

@@ -44,11 +44,12 @@ import os
 import random
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from integrations.rl.recipes import Recipe, load_recipe
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import release_engine_state
-from integrations.rl.recipes import Recipe, load_recipe
 
 __all__ = [
     "Rollout",
@@ -470,12 +471,12 @@ def run(
     import torch
     from transformers import AutoTokenizer
 
-    from integrations.vllm_ext import control
-    from integrations.data.problems import load_problems, render_prompts
-    from integrations.vllm_ext.engine import make_llm
     from integrations.data.models import resolve_model
+    from integrations.data.problems import load_problems, render_prompts
     from integrations.results import check_output_path
     from integrations.rl.rewards import check_sandbox, make_reward_fn, overlong_penalty
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import make_llm
     from integrations.vllm_ext.weight_sync import sync_weights
 
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)

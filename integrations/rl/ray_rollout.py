@@ -21,7 +21,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -239,7 +240,7 @@ class RayRolloutDriver:
         policy_version: int,
         seed: int = 0,
         sampling: dict[str, Any] | None = None,
-        on_dispatch: Callable[["RayRolloutDriver", np.ndarray], None] | None = None,
+        on_dispatch: Callable[[RayRolloutDriver, np.ndarray], None] | None = None,
     ) -> dict[str, list[list[int]]]:
         """Generate every group on the workers; returns ``{group_id: [output token ids per sample]}``.
 

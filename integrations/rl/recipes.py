@@ -58,8 +58,9 @@ import copy
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "RECIPES_DIR",
@@ -173,7 +174,7 @@ class Recipe:
         d["train"]["betas"] = list(d["train"]["betas"])
         return d
 
-    def validate(self) -> "Recipe":
+    def validate(self) -> Recipe:
         """Check every value's type and range (and the cross-field rules); returns self.
 
         Raises:
@@ -182,7 +183,7 @@ class Recipe:
         from integrations.vllm_ext.engine import METHODS
 
         bad = _check_fields(self)
-        r, s, t = self.rollout, self.speculative, self.train
+        r, s = self.rollout, self.speculative
         if bad:  # the cross-field rules below assume well-typed values
             raise ValueError("bad recipe: " + "; ".join(bad))
         checks = [
@@ -272,7 +273,7 @@ _RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _check_fields(rec: "Recipe") -> list[str]:
+def _check_fields(rec: Recipe) -> list[str]:
     bad = []
     for (section, key), (ok, what) in _RULES.items():
         obj = rec if not section else getattr(rec, section)

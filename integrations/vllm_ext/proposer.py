@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 vllm_fixes.apply()
 
 # Live proposers of this process, so an in-process driver can reach them (tests, tools).
-_INSTANCES: "weakref.WeakSet[DASProposer]" = weakref.WeakSet()
+_INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 
 DRAFTER_KEYS = frozenset(
     ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree", "prior")

@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-__all__ = ["SyncStats", "named_tensors", "sync_weights", "engine_state_dict", "drafter_policy_version", "SyncAwareDASProposer"]
+__all__ = ["SyncStats", "named_tensors", "sync_weights", "engine_state_dict", "drafter_policy_version", "SyncAwareDASProposer"]  # noqa: F822  (made by __getattr__ below, so vLLM is imported only when asked for)
 
 
 @dataclasses.dataclass
