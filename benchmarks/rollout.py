@@ -207,13 +207,16 @@ def format_tables(report: dict[str, Any]) -> str:
     for m, its in report["methods"].items():
         for r in its:
             lines.append(f"| {m} | {r['iteration']} | {r['wall_time_s']:.1f} | {r['tail10_s']:.1f} | {r['tokens']} | {r['tokens_per_s']:.0f} | "
-                         f"{r['acceptance_length']:.2f} | {r['draft_tokens']} | {r['accepted_tokens']} | {r['reward_mean']:+.3f} | {r['mean_len']:.0f} | {r['truncated']:.2f} |")
+                         f"{r['acceptance_length']:.2f} | {r['draft_tokens']} | {r['accepted_tokens']} | {r['reward_mean']:+.3f} | "
+                         f"{r['mean_len']:.0f} | {r['truncated']:.2f} |")
     lines += ["", "| method | wall s | tail 10% s | tok/s | acc. len | mean reward | speedup vs none |", "|---|---:|---:|---:|---:|---:|---:|"]
     for m, s in report["summary"].items():
         sp = f"{s['speedup_vs_none']:.2f}x" if "speedup_vs_none" in s else "-"
-        lines.append(f"| {m} | {s['wall_time_s']:.1f} | {s['tail10_s']:.1f} | {s['tokens_per_s']:.0f} | {s['acceptance_length']:.2f} | {s['reward_mean']:+.3f} | {sp} |")
+        lines.append(f"| {m} | {s['wall_time_s']:.1f} | {s['tail10_s']:.1f} | {s['tokens_per_s']:.0f} | {s['acceptance_length']:.2f} | "
+                     f"{s['reward_mean']:+.3f} | {sp} |")
     lines += ["", "Training (the GRPO loop that produced the policies):", "",
-              "| step | reward | acc | format | loss | clip frac | approx KL | updates | rollout s | train s | sync s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| step | reward | acc | format | loss | clip frac | approx KL | updates | rollout s | train s | sync s |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["training"]:
         lines.append(f"| {t['step']} | {t['reward_mean']:+.3f} | {t['accuracy']:.2f} | {t['format_rate']:.2f} | {t['loss']:+.4f} | {t['clip_frac']:.3f} | "
                      f"{t['approx_kl']:+.5f} | {t['updates']} | {t['rollout_s']:.1f} | {t['train_s']:.1f} | {t['sync_s']:.2f} |")
@@ -246,7 +249,8 @@ def plot(reports: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    for key, ylabel, fname in (("wall_time_s", "rollout wall time (s)", "rollout_time.png"), ("acceptance_length", "acceptance length (tokens/step)", "rollout_acceptance.png"),
+    for key, ylabel, fname in (("wall_time_s", "rollout wall time (s)", "rollout_time.png"),
+                               ("acceptance_length", "acceptance length (tokens/step)", "rollout_acceptance.png"),
                                ("reward_mean", "mean reward", "rollout_reward.png")):
         fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 3.4), squeeze=False)
         for ax, rep in zip(axes[0], reports):

@@ -68,17 +68,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="local HF model dir (default: SmolLM2-135M-Instruct, converted once into the cache)")
     p.add_argument("--iterations", type=int, default=3, help="rollout iterations (policy versions)")
     p.add_argument("--prompts", type=int, default=4, help="prompts per iteration (P)")
-    p.add_argument("--pool", type=int, default=None, help="problems to draw prompts from (default: P, so every iteration revisits them, as epochs over a small train set do)")
+    p.add_argument("--pool", type=int, default=None,
+                   help="problems to draw prompts from (default: P, so every iteration revisits them, as epochs over a small train set do)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (n, the GRPO group size)")
     p.add_argument("--max-tokens", type=int, default=1024, help="max output tokens per rollout (1024: long enough for a long tail)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--method", default="das", choices=METHODS, help="the method under test")
-    p.add_argument("--compare", default="none,suffix", help="comma-separated methods run beside --method ('' for none); 'das:<budget>' runs DAS with another --budget")
+    p.add_argument("--compare", default="none,suffix",
+                   help="comma-separated methods run beside --method ('' for none); 'das:<budget>' runs DAS with another --budget")
     p.add_argument("--num-spec-tokens", type=int, default=None, help="K for every speculative method (default: per method)")
     p.add_argument("--window", type=int, default=16, help="DAS window: policy versions kept")
     p.add_argument("--decay", type=float, default=0.9, help="DAS weight of a rollout one policy version older")
-    p.add_argument("--budget", default="cost", choices=BUDGETS, help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; 'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_ext.proposer)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"), help="model dtype (default: decided from this CPU, see integrations.vllm_ext.cpu_runtime)")
+    p.add_argument("--budget", default="cost", choices=BUDGETS,
+                   help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; "
+                        "'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_ext.proposer)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
+                   help="model dtype (default: decided from this CPU, see integrations.vllm_ext.cpu_runtime)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results to this JSON file")
@@ -261,7 +266,8 @@ def run_side_by_side(methods: list[str], model: str, prompts: list[list[int]], p
     return results
 
 
-def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None, rollouts: list | None = None) -> list[IterationResult]:
+def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None,
+               rollouts: list | None = None) -> list[IterationResult]:
     """Every iteration of ``schedule`` with one engine of ``method`` (see :func:`run_side_by_side`)."""
     return run_side_by_side([method], model, prompts, problem_ids, schedule, args, progress, method, rollouts)[method]
 

@@ -151,7 +151,8 @@ def test_sync_aware_proposer_advances_on_weight_loads(tiny_model, tmp_path):
 def _tiny_recipe(model: str, method: str, *, temperature: float, steps: int = 2, seed: int = 0, samples: int = 2, prompts: int = 3, max_tokens: int = 16):
     return {
         "model": model, "data": "champ", "pool": 8, "steps": steps, "seed": seed,
-        "rollout": {"prompts_per_step": prompts, "samples": samples, "max_tokens": max_tokens, "temperature": temperature, "dtype": "float32", "max_model_len": 1024},
+        "rollout": {"prompts_per_step": prompts, "samples": samples, "max_tokens": max_tokens, "temperature": temperature,
+                    "dtype": "float32", "max_model_len": 1024},
         "speculative": {"method": method, "num_speculative_tokens": 4, "das": {"window": 4, "budget": "fixed"}},
         "train": {"lr": 3e-3, "advantage": "batch", "mini_batches": 2, "micro_batch_tokens": 512},
         "log": {"json": None, "progress": False},

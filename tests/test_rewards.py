@@ -54,7 +54,8 @@ def test_last_boxed_balances_braces_and_takes_the_last():
 
 @pytest.mark.parametrize(
     "gold,response",
-    [(r"\frac{3}{7}", r"So \boxed{3/7}."), ("2", r"\boxed{2.0}"), (r"\sqrt{2}", r"\boxed{\sqrt 2}"), ("(1,2)", r"\boxed{(1, 2)}"), ("124", r"We get \boxed{124}")],
+    [(r"\frac{3}{7}", r"So \boxed{3/7}."), ("2", r"\boxed{2.0}"), (r"\sqrt{2}", r"\boxed{\sqrt 2}"), ("(1,2)", r"\boxed{(1, 2)}"),
+     ("124", r"We get \boxed{124}")],
 )
 def test_math_equivalent_answers_score_one(gold, response):
     r = math_reward(response, gold)

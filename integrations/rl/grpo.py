@@ -575,7 +575,8 @@ def run(
                 "step_s": round(t_end - t_roll, 3),
             }
             if batch.proposer is not None:
-                record["proposer"] = {k: batch.proposer[k] for k in ("drafts", "draft_tokens", "propose_s", "fitted_steps", "drafter_problems", "drafter_tokens") if k in batch.proposer}
+                keys = ("drafts", "draft_tokens", "propose_s", "fitted_steps", "drafter_problems", "drafter_tokens")
+                record["proposer"] = {k: batch.proposer[k] for k in keys if k in batch.proposer}
             if log_f is not None:
                 log_f.write(json.dumps(record) + "\n")
                 log_f.flush()
@@ -615,7 +616,8 @@ def run(
 
 def format_steps(records: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table of the step records."""
-    head = f"{'step':>4} {'reward':>7} {'acc':>5} {'fmt':>5} {'loss':>9} {'clip':>6} {'kl':>8} {'roll_s':>7} {'tail_s':>7} {'tok/s':>7} {'acc_len':>7} {'train_s':>7} {'sync_s':>6}"
+    head = (f"{'step':>4} {'reward':>7} {'acc':>5} {'fmt':>5} {'loss':>9} {'clip':>6} {'kl':>8} {'roll_s':>7} {'tail_s':>7} {'tok/s':>7} "
+            f"{'acc_len':>7} {'train_s':>7} {'sync_s':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
         lines.append(f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['accuracy']:>5.2f} {r['format_rate']:>5.2f} {r['loss']:>+9.5f} {r['clip_frac']:>6.3f} "

@@ -188,11 +188,13 @@ class Recipe:
             raise ValueError("bad recipe: " + "; ".join(bad))
         checks = [
             (self.pool is None or self.pool >= r.prompts_per_step, f"pool ({self.pool}) must be >= rollout.prompts_per_step ({r.prompts_per_step})"),
-            (r.max_model_len > r.max_tokens, f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
+            (r.max_model_len > r.max_tokens,
+             f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
             (s.method in METHODS, f"speculative.method must be one of {list(METHODS)}, got {s.method!r}"),
             (s.method == "none" or s.num_speculative_tokens is not None, f"speculative.num_speculative_tokens is needed for method {s.method!r}"),
             (self.scheduler.policy == "none" or s.method == "das", "scheduler.policy 'class' needs speculative.method 'das'"),
-            (self.reward.overlong_buffer < r.max_tokens, f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens ({r.max_tokens})"),
+            (self.reward.overlong_buffer < r.max_tokens,
+             f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens ({r.max_tokens})"),
             (self.reward.sandbox != "none" or self.reward.network == "allow",
              "reward.sandbox 'none' cannot cut the network: set reward.network to 'allow' as well (trusted code only)"),
         ]
