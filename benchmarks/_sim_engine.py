@@ -353,7 +353,8 @@ class Requests:
 class Gpu:
     """One engine: its member requests, clock, policy and step records."""
 
-    def __init__(self, gid: int, req: Requests, members: np.ndarray, policy, params: EngineParams, n_groups: int, stats_pos: np.ndarray, stats_sib: np.ndarray, seed: int = 0):
+    def __init__(self, gid: int, req: Requests, members: np.ndarray, policy, params: EngineParams, n_groups: int,
+                 stats_pos: np.ndarray, stats_sib: np.ndarray, seed: int = 0):
         self.gid = gid
         self.req = req
         self.mem = np.asarray(members, np.int64)
@@ -421,7 +422,8 @@ class Gpu:
                 r.drafted, r.accepted, r.steps, r.finish, self.grp_done, self.stats_pos, self.stats_sib,
                 self.t, t_stop, max_steps, float(roof.kv_capacity_tokens), p.max_seqs, p.watermark,
                 roof.launch_s, roof.weight_bytes, roof.kv_bytes_per_token, roof.flops_per_token, roof.attn_flops_per_pair, roof.bytes_per_s, roof.flops_per_s,
-                p.drafter_ms_per_256 * 1e-3 / 256.0, pol.spec_on, pol.kv_aware and p.kv_aware, pol.quota_mode, float(pol.quota), pol.gate, float(p.max_tokens), p.additive_cost,
+                p.drafter_ms_per_256 * 1e-3 / 256.0, pol.spec_on, pol.kv_aware and p.kv_aware, pol.quota_mode, float(pol.quota), pol.gate,
+                float(p.max_tokens), p.additive_cost,
                 self.counters, self.rec["t"], self.rec["b"], self.rec["n"], self.rec["ctx"], self.rec["dt"], self.off,
             )  # fmt: skip
             if self.counters[2]:

@@ -56,7 +56,6 @@ def _estimates(w: dict, gpu_of: np.ndarray, n_gpus: int, params: EngineParams) -
     L = w["lengths"].ravel().astype(np.float64)
     loop = np.minimum(w["loop_at"].ravel(), L)
     am: AcceptanceModel = w["acceptance_model"]
-    s = w["lengths"].shape[1]
     from scheduler import tokens_per_step
 
     kk = w["k"].ravel()

@@ -155,7 +155,8 @@ def h100_7b_costs(
         dict with ``c_base`` (s), ``c_tok`` (s / token), ``c_ctx`` (s / context token / step),
         ``kv_capacity_tokens`` (int), and the intermediate numbers under ``derivation``.
     """
-    roof = h100_7b_roofline(hbm_efficiency=hbm_efficiency, mfu=mfu, launch_s=step_overhead_s, gpu_memory_utilization=gpu_memory_utilization, workspace_bytes=workspace_bytes)
+    roof = h100_7b_roofline(hbm_efficiency=hbm_efficiency, mfu=mfu, launch_s=step_overhead_s, gpu_memory_utilization=gpu_memory_utilization,
+                            workspace_bytes=workspace_bytes)
     return {
         "c_base": roof.weight_bytes / roof.bytes_per_s + step_overhead_s,
         "c_tok": roof.flops_per_token / roof.flops_per_s,

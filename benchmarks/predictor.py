@@ -54,7 +54,7 @@ def print_report(out: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.predictor", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", type=Path, help="rollout trace (integrations.trace parquet)")
+    ap.add_argument("--trace", type=Path, help="rollout trace (integrations.data.trace parquet)")
     ap.add_argument("--max-tokens", type=int, default=16384, help="the rollouts' max output tokens")
     ap.add_argument("--window", type=int, default=16)
     ap.add_argument("--checkpoints", default="0,0.125,0.25,0.5", help="fractions of max tokens")
@@ -65,16 +65,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         cps = tuple(float(c) for c in args.checkpoints.split(","))
     except ValueError:
-        raise SystemExit(f"--checkpoints must be comma-separated fractions, got {args.checkpoints!r}")
+        raise SystemExit(f"--checkpoints must be comma-separated fractions, got {args.checkpoints!r}") from None
     if args.json:
         from integrations.results import check_output_path
 
         try:
             check_output_path(args.json, overwrite=args.overwrite)
         except ValueError as exc:
-            raise SystemExit(f"predictor: {exc}")
+            raise SystemExit(f"predictor: {exc}") from None
     if args.trace:
-        from integrations.trace import read_trace
+        from integrations.data.trace import read_trace
 
         rows = read_trace(args.trace)
         if not rows:

@@ -66,7 +66,7 @@ class TraceRollout:
 
 
 def load_trace(path: str | Path) -> list[list[TraceRollout]]:
-    """Rollouts of a trace (see :mod:`integrations.trace`), grouped by iteration, in file order.
+    """Rollouts of a trace (see :mod:`integrations.data.trace`), grouped by iteration, in file order.
 
     Rollouts with an empty output are dropped (nothing to replay).
 
@@ -74,7 +74,7 @@ def load_trace(path: str | Path) -> list[list[TraceRollout]]:
         ValueError: naming the path, when the trace has no rollout with output tokens (an empty
             trace replays nothing, and every rate would divide by zero).
     """
-    from integrations.trace import read_trace
+    from integrations.data.trace import read_trace
 
     iters: dict[int, list[TraceRollout]] = {}
     rows = read_trace(path)
@@ -433,7 +433,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--grid-window", default="1,2,4,16", help="DAS windows of the grid ('' for none)")
     p.add_argument("--drafters", default=",".join(DRAFTERS), help="drafters of the headline comparison")
     p.add_argument("--das", default=None, help="JSON of DASDrafter settings for the headline (e.g. '{\"prior\": 0}')")
-    p.add_argument("--arctic", default=None, help="JSON of arctic settings for the headline (max_tree_depth, max_spec_factor, min_token_prob, max_cached_requests)")
+    p.add_argument("--arctic", default=None,
+                   help="JSON of arctic settings for the headline (max_tree_depth, max_spec_factor, min_token_prob, max_cached_requests)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the headline (timings: median)")
     p.add_argument("--no-frontier", dest="frontier", action="store_false",
                    help="skip the acceptance-vs-draft-cost runs (drafting rules varied at the headline K)")

@@ -2,14 +2,14 @@
 
 For each data set (default DSR-sub math and LeetCode code), with the real SmolLM2-135M:
 
-1. **Train** a few GRPO steps with the loop of :mod:`integrations.grpo` and DAS inside vLLM
+1. **Train** a few GRPO steps with the loop of :mod:`integrations.rl.grpo` and DAS inside vLLM
    (``--train-method``, default ``das``): rollouts, rewards, policy update, weight sync, drafter
    window advance. The policy weights used at every iteration are kept (bfloat16 copies); the
    loop's own rollouts are reported apart (``train_loop_rollouts``), since they ran beside the
    trainer's memory and threads.
 2. **Replay** the same iterations for every method (``none``: no speculation, ``ngram``:
    vLLM prompt lookup, ``suffix``: vLLM SuffixDecoding / arctic-inference, ``das-sched``: DAS plus
-   the length-aware per-request budget of :class:`integrations.grpo.LengthClassBudget`), one
+   the length-aware per-request budget of :class:`integrations.rl.grpo.LengthClassBudget`), one
    engine per method: at iteration ``v`` the engine gets policy ``v`` by an in-place weight sync
    (prefix cache reset, DAS window advanced), then generates the same prompts with the same seed.
    Every method thus samples from the same sequence of policies; only speculation differs. The
@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from integrations import cpu_runtime
+from integrations.vllm_ext import cpu_runtime
 
 METHODS = ("none", "ngram", "suffix", "das", "das-sched")
 DATA = {"dsr_sub": "grpo_dsr_sub", "leetcode": "grpo_leetcode"}
@@ -106,13 +106,13 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     import torch
     from transformers import AutoTokenizer
 
-    from integrations import control
-    from integrations.data import load_problems, render_prompts
-    from integrations.engine import make_llm
-    from integrations.grpo import LengthClassBudget, generate_rollouts, release_engine_state, run
-    from integrations.recipes import load_recipe
-    from integrations.rewards import make_reward_fn, overlong_penalty
-    from integrations.weight_sync import sync_weights
+    from integrations.data.problems import load_problems, render_prompts
+    from integrations.rl.grpo import LengthClassBudget, generate_rollouts, release_engine_state, run
+    from integrations.rl.recipes import load_recipe
+    from integrations.rl.rewards import make_reward_fn, overlong_penalty
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import make_llm
+    from integrations.vllm_ext.weight_sync import sync_weights
 
     base = load_recipe(DATA[data], _overrides(args, args.train_method))
     weights: dict[int, dict[str, Any]] = {}
@@ -126,7 +126,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
                   on_step=(lambda r: progress.update(1)) if progress is not None else None)
     train_wall = time.perf_counter() - t0
     model_dir = trained.recipe["model"]
-    from integrations.models import resolve_model
+    from integrations.data.models import resolve_model
 
     model_dir = resolve_model(model_dir)
     problems = load_problems(base.data)
@@ -207,13 +207,16 @@ def format_tables(report: dict[str, Any]) -> str:
     for m, its in report["methods"].items():
         for r in its:
             lines.append(f"| {m} | {r['iteration']} | {r['wall_time_s']:.1f} | {r['tail10_s']:.1f} | {r['tokens']} | {r['tokens_per_s']:.0f} | "
-                         f"{r['acceptance_length']:.2f} | {r['draft_tokens']} | {r['accepted_tokens']} | {r['reward_mean']:+.3f} | {r['mean_len']:.0f} | {r['truncated']:.2f} |")
+                         f"{r['acceptance_length']:.2f} | {r['draft_tokens']} | {r['accepted_tokens']} | {r['reward_mean']:+.3f} | "
+                         f"{r['mean_len']:.0f} | {r['truncated']:.2f} |")
     lines += ["", "| method | wall s | tail 10% s | tok/s | acc. len | mean reward | speedup vs none |", "|---|---:|---:|---:|---:|---:|---:|"]
     for m, s in report["summary"].items():
         sp = f"{s['speedup_vs_none']:.2f}x" if "speedup_vs_none" in s else "-"
-        lines.append(f"| {m} | {s['wall_time_s']:.1f} | {s['tail10_s']:.1f} | {s['tokens_per_s']:.0f} | {s['acceptance_length']:.2f} | {s['reward_mean']:+.3f} | {sp} |")
+        lines.append(f"| {m} | {s['wall_time_s']:.1f} | {s['tail10_s']:.1f} | {s['tokens_per_s']:.0f} | {s['acceptance_length']:.2f} | "
+                     f"{s['reward_mean']:+.3f} | {sp} |")
     lines += ["", "Training (the GRPO loop that produced the policies):", "",
-              "| step | reward | acc | format | loss | clip frac | approx KL | updates | rollout s | train s | sync s |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+              "| step | reward | acc | format | loss | clip frac | approx KL | updates | rollout s | train s | sync s |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for t in report["training"]:
         lines.append(f"| {t['step']} | {t['reward_mean']:+.3f} | {t['accuracy']:.2f} | {t['format_rate']:.2f} | {t['loss']:+.4f} | {t['clip_frac']:.3f} | "
                      f"{t['approx_kl']:+.5f} | {t['updates']} | {t['rollout_s']:.1f} | {t['train_s']:.1f} | {t['sync_s']:.2f} |")
@@ -246,7 +249,8 @@ def plot(reports: list[dict[str, Any]], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    for key, ylabel, fname in (("wall_time_s", "rollout wall time (s)", "rollout_time.png"), ("acceptance_length", "acceptance length (tokens/step)", "rollout_acceptance.png"),
+    for key, ylabel, fname in (("wall_time_s", "rollout wall time (s)", "rollout_time.png"),
+                               ("acceptance_length", "acceptance length (tokens/step)", "rollout_acceptance.png"),
                                ("reward_mean", "mean reward", "rollout_reward.png")):
         fig, axes = plt.subplots(1, len(reports), figsize=(5 * len(reports), 3.4), squeeze=False)
         for ax, rep in zip(axes[0], reports):
@@ -285,7 +289,7 @@ def plot(reports: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 def plot_training(log: str | Path, out: str | Path) -> Path:
-    """PNG of a GRPO JSON-lines log (``integrations.grpo``, ``log.json``): reward, length, KL, acceptance per step."""
+    """PNG of a GRPO JSON-lines log (``integrations.rl.grpo``, ``log.json``): reward, length, KL, acceptance per step."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -320,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cpu_runtime.apply_cpu_defaults()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    from integrations.engine import drop_unavailable
+    from integrations.vllm_ext.engine import drop_unavailable
 
     args.methods = drop_unavailable(args.methods, "benchmarks.rollout")
     from tqdm import tqdm

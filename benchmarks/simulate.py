@@ -109,11 +109,11 @@ def synthetic_workload(
 
 
 def trace_workload(path: str, max_tokens: int, *, window: int = 16, seed: int = 0, acceptance_model: AcceptanceModel | None = None) -> dict[str, Any]:
-    """Workload from a rollout trace (``integrations.trace``): the last iteration is simulated, the
+    """Workload from a rollout trace (``integrations.data.trace``): the last iteration is simulated, the
     earlier ones feed the predictor. Groups with fewer samples than the largest are padded by
     repeating their members (the simulator needs equal group sizes). Loops are not detected in a
     trace (``loop_at`` = inf): its acceptance is the base model's."""
-    from integrations.trace import read_trace
+    from integrations.data.trace import read_trace
 
     rows = read_trace(path)
     last = max(r.iteration for r in rows)

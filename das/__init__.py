@@ -5,7 +5,7 @@
   per row or for all rows of an engine step at once (:class:`DraftBatch`).
 """
 
-from das.suffix_tree import Draft, SuffixTree, empty_draft
 from das.drafter import DASDrafter, DraftBatch, problem_id
+from das.suffix_tree import Draft, SuffixTree, empty_draft
 
 __all__ = ["DASDrafter", "Draft", "DraftBatch", "SuffixTree", "empty_draft", "problem_id"]

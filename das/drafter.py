@@ -34,8 +34,9 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Hashable, Sequence
 from functools import partial
-from typing import Hashable, NamedTuple, Sequence
+from typing import NamedTuple
 
 import numpy as np
 

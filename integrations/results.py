@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 __all__ = ["check_output_path", "write_atomic", "atomic_output"]
 

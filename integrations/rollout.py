@@ -4,7 +4,7 @@ Each iteration (one policy version) samples P prompts from a pool of problems, g
 samples per prompt at temperature T (a GRPO group per prompt), and the DAS drafter keeps the
 finished rollouts in its per-problem window for the next iterations. The same iterations run for
 every compared method (``none``, ``ngram``, ``suffix``), one engine at a time, with the same
-prompts and seeds. The policy is fixed here (no training step); :mod:`integrations.grpo` is the
+prompts and seeds. The policy is fixed here (no training step); :mod:`integrations.rl.grpo` is the
 loop whose policy changes.
 
 Timing is side by side: every method's engine is built first and kept, and the iterations
@@ -26,15 +26,14 @@ import json
 import os
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from integrations import cpu_runtime
-from integrations.engine import METHODS, drop_unavailable
-from integrations.vllm_proposer import BUDGETS
+from integrations.vllm_ext import cpu_runtime
+from integrations.vllm_ext.engine import METHODS, drop_unavailable
+from integrations.vllm_ext.proposer import BUDGETS
 
 _USER_KV = bool(os.environ.get("VLLM_CPU_KVCACHE_SPACE"))  # the user's own KV-cache size wins
 
@@ -69,21 +68,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="local HF model dir (default: SmolLM2-135M-Instruct, converted once into the cache)")
     p.add_argument("--iterations", type=int, default=3, help="rollout iterations (policy versions)")
     p.add_argument("--prompts", type=int, default=3, help="prompts per iteration (P; the default keeps the main job within ~10 min on a 2-core AVX2 CPU)")
-    p.add_argument("--pool", type=int, default=None, help="problems to draw prompts from (default: P, so every iteration revisits them, as epochs over a small train set do)")
+    p.add_argument("--pool", type=int, default=None,
+                   help="problems to draw prompts from (default: P, so every iteration revisits them, as epochs over a small train set do)")
     p.add_argument("--samples", type=int, default=8, help="samples per prompt (n, the GRPO group size)")
     p.add_argument("--max-tokens", type=int, default=1024, help="max output tokens per rollout (1024: long enough for a long tail)")
     p.add_argument("--temperature", type=float, default=0.6)
     p.add_argument("--method", default="das", choices=METHODS, help="the method under test")
-    p.add_argument("--compare", default="none", help="comma-separated methods run beside --method ('' for none), e.g. none,suffix,suffix-bs; 'das:<budget>' runs DAS with another --budget")
+    p.add_argument("--compare", default="none",
+                   help="comma-separated methods run beside --method ('' for none), e.g. none,suffix,suffix-bs; 'das:<budget>' runs DAS with another --budget")
     p.add_argument("--num-spec-tokens", type=int, default=None, help="K for every speculative method (default: per method)")
     p.add_argument("--window", type=int, default=16, help="DAS window: policy versions kept")
     p.add_argument("--decay", type=float, default=0.9, help="DAS weight of a rollout one policy version older")
-    p.add_argument("--budget", default="cost", choices=BUDGETS, help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; 'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_proposer)")
-    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"), help="model dtype (default: decided from this CPU, see integrations.cpu_runtime)")
+    p.add_argument("--budget", default="cost", choices=BUDGETS,
+                   help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; "
+                        "'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_ext.proposer)")
+    p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
+                   help="model dtype (default: decided from this CPU, see integrations.vllm_ext.cpu_runtime)")
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="write results to this JSON file")
-    p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.trace)")
+    p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.data.trace)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --trace files (default: refuse before the run)")
     args = p.parse_args(argv)
     from integrations.results import check_output_path
@@ -157,7 +161,7 @@ class MethodRun:
     """
 
     def __init__(self, method: str, model: str, args: argparse.Namespace, kv_gib: int = 0):
-        from integrations.engine import make_llm
+        from integrations.vllm_ext.engine import make_llm
 
         self.name = method
         self.method, _, budget = method.partition(":")
@@ -184,9 +188,9 @@ class MethodRun:
         import torch
         from vllm import SamplingParams
 
-        from integrations import control
-        from integrations.engine import spec_counters
-        from integrations.timed_generate import generate_timed
+        from integrations.vllm_ext import control
+        from integrations.vllm_ext.engine import spec_counters
+        from integrations.vllm_ext.timed_generate import generate_timed
 
         args, llm, version = self.args, self.llm, it + 1
         if self.method == "das":
@@ -200,7 +204,7 @@ class MethodRun:
         after = spec_counters(llm)
         lengths = np.array([len(r.token_ids) for r in batch.rollouts])
         if rollouts is not None:
-            from integrations.trace import Rollout
+            from integrations.data.trace import Rollout
 
             for r in batch.rollouts:
                 i = chosen[r.group]
@@ -228,7 +232,7 @@ class MethodRun:
         )
 
     def close(self) -> None:
-        from integrations.engine import release_engine_state
+        from integrations.vllm_ext.engine import release_engine_state
 
         del self.llm  # the last reference, before the parallel state goes
         release_engine_state()
@@ -262,7 +266,8 @@ def run_side_by_side(methods: list[str], model: str, prompts: list[list[int]], p
     return results
 
 
-def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None, rollouts: list | None = None) -> list[IterationResult]:
+def run_method(method: str, model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]], args, progress=None,
+               rollouts: list | None = None) -> list[IterationResult]:
     """Every iteration of ``schedule`` with one engine of ``method`` (see :func:`run_side_by_side`)."""
     return run_side_by_side([method], model, prompts, problem_ids, schedule, args, progress, method, rollouts)[method]
 
@@ -338,8 +343,8 @@ def main(argv: list[str] | None = None) -> int:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
-    from integrations.data import load_problems, render_prompts
-    from integrations.models import resolve_model
+    from integrations.data.models import resolve_model
+    from integrations.data.problems import load_problems, render_prompts
 
     args.methods = drop_unavailable(args.methods, "das-rollout")
     try:
@@ -372,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         results = run_side_by_side(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar,
                                    trace_method=args.method, rollouts=record, kv_gib=kv)
     if record is not None:
-        from integrations.trace import write_trace
+        from integrations.data.trace import write_trace
 
         write_trace(args.trace, record, overwrite=args.overwrite)
     for method in args.methods:

@@ -27,8 +27,9 @@ Units: lengths in tokens (output tokens, prompt excluded).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -170,7 +171,7 @@ class LengthPredictor:
         self._dirty = True
 
     def observe_trace(self, rollouts: Iterable[Any]) -> None:
-        """Record rollouts of a trace (``integrations.trace.Rollout``-like: ``problem_id``,
+        """Record rollouts of a trace (``integrations.data.trace.Rollout``-like: ``problem_id``,
         ``policy_version``, ``output_ids``)."""
         groups: dict[tuple[Any, int], list[int]] = {}
         for r in rollouts:
@@ -397,8 +398,8 @@ def evaluate_predictor(
     def feed(v: int) -> None:
         sel = vers == v
         groups: dict[Any, list[float]] = {}
-        for p, l in zip(pid_arr[sel], lens[sel]):
-            groups.setdefault(p, []).append(l)
+        for p, length in zip(pid_arr[sel], lens[sel]):
+            groups.setdefault(p, []).append(length)
         for p, ls in groups.items():
             pred.observe(p, v, ls)
             last_mean[p] = float(np.mean(ls))

@@ -14,7 +14,7 @@ SHARED_DATA = REPO.parent / "shared" / "data"
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> str:
     """Directory of a tiny random Llama (float32) that vLLM loads in a few seconds."""
-    from integrations.models import build_tiny_model
+    from integrations.data.models import build_tiny_model
 
     return str(build_tiny_model(tmp_path_factory.mktemp("tiny") / "llama", seed=0))
 
@@ -42,7 +42,7 @@ def peaked_tiny_model(tiny_model, tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session", autouse=True)
 def _vllm_cpu_env():
-    from integrations.cpu_runtime import apply_cpu_defaults
+    from integrations.vllm_ext.cpu_runtime import apply_cpu_defaults
 
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # tiny models: keep every test engine's cache small
     apply_cpu_defaults()

@@ -17,9 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from integrations import rewards
-from integrations.data import CODE_PRELUDE, Problem, load_embedded, load_leetcode_json
-from integrations.rewards import (
+from integrations.data.problems import CODE_PRELUDE, Problem, load_embedded, load_leetcode_json
+from integrations.rl import rewards
+from integrations.rl.rewards import (
     STDERR_CAP,
     SandboxUnavailable,
     check_sandbox,

@@ -1,8 +1,8 @@
-"""CPU settings are decided from the CPU (integrations.cpu_runtime.decide), and a user's setting wins."""
+"""CPU settings are decided from the CPU (integrations.vllm_ext.cpu_runtime.decide), and a user's setting wins."""
 
 import pytest
 
-from integrations.cpu_runtime import CpuInfo, cpu_env, decide
+from integrations.vllm_ext.cpu_runtime import CpuInfo, cpu_env, decide
 
 AVX2_AMD = CpuInfo("AuthenticAMD", "AMD EPYC 7B13", frozenset({"avx2", "fma", "f16c"}), 2, 23.0)
 AVX512_INTEL = CpuInfo("GenuineIntel", "Intel Xeon Platinum 8375C", frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}), 2, 23.0)

@@ -1,4 +1,4 @@
-"""Tests for integrations.data: loaders on the shared files and the embedded sets, dispatch, errors,
+"""Tests for integrations.data.problems: loaders on the shared files and the embedded sets, dispatch, errors,
 chat-template rendering. Real data, no mocks; the shared-file tests skip when ../shared/data is absent."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.data import (
+from integrations.data.problems import (
     CODE_PRELUDE,
     MATH_INSTRUCTION,
     Problem,
@@ -39,7 +39,7 @@ def _runs_ok(program: str) -> bool:
 def tiny_tokenizer(tmp_path_factory):
     from transformers import AutoTokenizer
 
-    from integrations.models import build_tiny_model
+    from integrations.data.models import build_tiny_model
 
     path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
     return AutoTokenizer.from_pretrained(str(path))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
@@ -144,7 +142,7 @@ def test_ties_go_to_the_problem_tree():
     b.add([7, 1, 2, 4])
     sa, sb = a._seqs[a.add([7, 1, 2])][0], b._seqs[b.add([7, 1, 2])][0]
     out_t, out_p = np.empty(16, np.int32), np.empty(16, np.float32)
-    for (x, sx, tx), (y, sy, ty) in (((a, sa, 3), (b, sb, 4)), ((b, sb, 4), (a, sa, 3))):
+    for (x, sx, tx), (y, sy, _ty) in (((a, sa, 3), (b, sb, 4)), ((b, sb, 4), (a, sa, 3))):
         off, k, score, mlen = K.draft2(x._mem, sx, 0.0, y._mem, sy, 0.0, 4, 0.1, 1.0, out_t, out_p)
         assert out_t[off : off + k].tolist() == [tx] and score == 1.0 and mlen == 3
 
@@ -298,7 +296,7 @@ def test_problem_tree_counts_are_version_weighted_window_of_rollouts():
     prompts = [[7, 8, 9, 1, 2, 3, 4], [5, 5]]
     kept = []  # (prompt index, version, sequence) as the tree should hold it
     v = 0
-    for step in range(14):
+    for _step in range(14):
         v += int(rng.integers(0, 3))
         d.begin_iteration(v)
         kept = [k for k in kept if k[1] >= v - window + 1]

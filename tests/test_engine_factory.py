@@ -2,7 +2,7 @@
 
 import pytest
 
-from integrations.engine import PROPOSER_CLASS, make_llm, speculative_config
+from integrations.vllm_ext.engine import PROPOSER_CLASS, make_llm, speculative_config
 
 
 def test_each_method():

@@ -17,8 +17,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from integrations import control  # noqa: E402
-from integrations.engine import make_llm, spec_counters  # noqa: E402
+pytestmark = pytest.mark.engine  # every test here runs vLLM engines
+
+from integrations.vllm_ext import control  # noqa: E402
+from integrations.vllm_ext.engine import make_llm, spec_counters  # noqa: E402
 
 PROMPTS = [[5, 17, 42, 8], [100, 3, 77], [9, 9, 9, 10, 11], [300, 200, 100, 50, 25, 12]]
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from integrations.grpo import RolloutBatch, Rollout, group_advantages
+from integrations.rl.grpo import Rollout, RolloutBatch, group_advantages
 
 
 def _release():
-    from integrations.grpo import release_engine_state
+    from integrations.rl.grpo import release_engine_state
 
     release_engine_state()
 
@@ -70,8 +70,8 @@ def test_tail_time_is_the_last_tenth():
 def test_policy_trainer_step_moves_weights_and_reports_clipping(tiny_model):
     import torch
 
-    from integrations.grpo import PolicyTrainer
-    from integrations.recipes import TrainSection
+    from integrations.rl.grpo import PolicyTrainer
+    from integrations.rl.recipes import TrainSection
 
     cfg = TrainSection(lr=1e-2, mini_batches=2, micro_batch_tokens=64)
     tr = PolicyTrainer(tiny_model, cfg, seed=0)
@@ -91,9 +91,10 @@ def test_policy_trainer_step_moves_weights_and_reports_clipping(tiny_model):
 # ---- weight sync into a running engine
 
 
+@pytest.mark.engine
 def test_weight_sync_matches_a_fresh_engine_and_needs_a_prefix_cache_reset(tiny_model, tmp_path):
-    from integrations.engine import make_llm
-    from integrations.weight_sync import sync_weights
+    from integrations.vllm_ext.engine import make_llm
+    from integrations.vllm_ext.weight_sync import sync_weights
 
     # one prompt longer than a KV block (so it can be prefix-cached), one short
     prompts = [[5 + (i * 7) % 400 for i in range(400)], list(range(3, 40))]
@@ -118,10 +119,11 @@ def test_weight_sync_matches_a_fresh_engine_and_needs_a_prefix_cache_reset(tiny_
         _release()
 
 
+@pytest.mark.engine
 def test_sync_aware_proposer_advances_on_weight_loads(tiny_model, tmp_path):
-    from integrations.engine import make_llm
-    from integrations.recipes import das_speculative_config
-    from integrations.weight_sync import drafter_policy_version, sync_weights
+    from integrations.rl.recipes import das_speculative_config
+    from integrations.vllm_ext.engine import make_llm
+    from integrations.vllm_ext.weight_sync import drafter_policy_version, sync_weights
 
     new = _perturbed(tiny_model, tmp_path / "new")
     llm = make_llm(tiny_model, "none", dtype="float32", max_model_len=512,
@@ -134,7 +136,7 @@ def test_sync_aware_proposer_advances_on_weight_loads(tiny_model, tmp_path):
             sync_weights(llm, new)
             _greedy(llm, [list(range(3, 30))], 4)
             assert drafter_policy_version(llm) == v
-        from integrations import control
+        from integrations.vllm_ext import control
 
         snap = control.snapshot(llm)[0]
         assert snap["weight_loads"] == 2 and snap["policy_version"] == 2
@@ -149,7 +151,8 @@ def test_sync_aware_proposer_advances_on_weight_loads(tiny_model, tmp_path):
 def _tiny_recipe(model: str, method: str, *, temperature: float, steps: int = 2, seed: int = 0, samples: int = 2, prompts: int = 3, max_tokens: int = 16):
     return {
         "model": model, "data": "champ", "pool": 8, "steps": steps, "seed": seed,
-        "rollout": {"prompts_per_step": prompts, "samples": samples, "max_tokens": max_tokens, "temperature": temperature, "dtype": "float32", "max_model_len": 1024},
+        "rollout": {"prompts_per_step": prompts, "samples": samples, "max_tokens": max_tokens, "temperature": temperature,
+                    "dtype": "float32", "max_model_len": 1024},
         "speculative": {"method": method, "num_speculative_tokens": 4, "das": {"window": 4, "budget": "fixed"}},
         "train": {"lr": 3e-3, "advantage": "batch", "mini_batches": 2, "micro_batch_tokens": 512},
         "log": {"json": None, "progress": False},
@@ -161,10 +164,11 @@ def _toy_reward(problems, texts):
     return [sum(c in "aeiou" for c in t) / max(1, len(t)) + 0.1 * (len(p.prompt_text) % 5) for p, t in zip(problems, texts)]
 
 
+@pytest.mark.engine
 def test_greedy_training_curve_is_identical_with_and_without_das(tiny_model, tmp_path):
     import torch
 
-    from integrations.grpo import run
+    from integrations.rl.grpo import run
 
     runs = {}
     for method in ("none", "das"):
@@ -195,6 +199,7 @@ def _ks_statistic(x, y) -> float:
     return float(np.max(np.abs(np.searchsorted(x, grid, side="right") / len(x) - np.searchsorted(y, grid, side="right") / len(y))))
 
 
+@pytest.mark.engine
 def test_sampled_training_matches_in_distribution(peaked_tiny_model):
     """Under sampling, DAS changes which random numbers are drawn, not the distribution.
 
@@ -202,7 +207,7 @@ def test_sampled_training_matches_in_distribution(peaked_tiny_model):
     (so the second step's policy already depends on sampled rollouts), with and without DAS,
     by a two-sample Kolmogorov-Smirnov test at alpha = 0.001 (critical value 1.95 * sqrt((n+m)/nm)).
     """
-    from integrations.grpo import run
+    from integrations.rl.grpo import run
 
     pooled = {"none": ([], []), "das": ([], [])}
     accepted = 0
@@ -228,16 +233,16 @@ def test_sampled_training_matches_in_distribution(peaked_tiny_model):
 
 @pytest.fixture
 def no_engine(monkeypatch):
-    import integrations.engine
+    import integrations.vllm_ext.engine
 
     def refuse(*a, **k):
         raise AssertionError("an engine was started")
 
-    monkeypatch.setattr(integrations.engine, "make_llm", refuse)
+    monkeypatch.setattr(integrations.vllm_ext.engine, "make_llm", refuse)
 
 
 def test_an_existing_or_unwritable_log_is_refused_before_anything_starts(tmp_path, no_engine):
-    from integrations.grpo import run
+    from integrations.rl.grpo import run
 
     log = tmp_path / "log.jsonl"
     log.write_text("an earlier run\n")
@@ -251,8 +256,8 @@ def test_an_existing_or_unwritable_log_is_refused_before_anything_starts(tmp_pat
 
 
 def test_code_data_without_a_sandbox_stops_before_the_engine(tiny_model, monkeypatch, no_engine):
-    from integrations import rewards
-    from integrations.grpo import run
+    from integrations.rl import rewards
+    from integrations.rl.grpo import run
 
     real_which = rewards.shutil.which
     monkeypatch.setattr(rewards.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))

@@ -1,4 +1,4 @@
-"""Lazy-recovery rejection sampling keeps the target distribution (integrations.lazy_rejection).
+"""Lazy-recovery rejection sampling keeps the target distribution (integrations.vllm_ext.lazy_rejection).
 
 Speculative sampling with point-mass drafts must emit, at each position, a token distributed as
 the target distribution ``p``: the first output token of a row is ``~ p_0`` whatever the draft, and
@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from integrations import lazy_rejection as lazy
+from integrations.vllm_ext import lazy_rejection as lazy
 
 
 def _meta(batch, *, greedy_rows=(), generators=None):
@@ -119,8 +119,8 @@ def test_draft_probabilities_and_seeded_requests_go_to_the_fallback():
 
 def test_installed_into_vllm_on_the_cpu_build():
     pytest.importorskip("vllm")
-    from integrations import vllm_fixes
-    from integrations.cpu_runtime import is_cpu_build
+    from integrations.vllm_ext import fixes as vllm_fixes
+    from integrations.vllm_ext.cpu_runtime import is_cpu_build
 
     if not is_cpu_build() or vllm_fixes.vllm_version() not in vllm_fixes.TESTED_VLLM_VERSIONS:
         pytest.skip("fixes apply to the tested CPU build only")

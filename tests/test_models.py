@@ -1,4 +1,4 @@
-"""Tests for integrations.models: the tiny random model (deterministic, loads in transformers),
+"""Tests for integrations.data.models: the tiny random model (deterministic, loads in transformers),
 model resolution errors. SmolLM2 conversion and vLLM engine runs are behind DAS_SLOW_TESTS=1."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.models import (
+from integrations.data.models import (
     MARKER,
     TINY_CHAT_TEMPLATE,
     build_tiny_model,
@@ -216,10 +216,12 @@ def _run_vllm(model: Path, dtype: str, n: int) -> int:
 
 
 @slow
+@pytest.mark.engine
 def test_tiny_model_generates_in_vllm(tiny):
     assert _run_vllm(tiny, "float32", 8) == 8  # a random model does not hit EOS this soon
 
 
 @slow
+@pytest.mark.engine
 def test_smollm2_generates_in_vllm(tmp_path):
     assert 0 < _run_vllm(smollm2_path(tmp_path), "bfloat16", 20) <= 20

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from integrations.vllm_proposer import DASProposer, das_section
+from integrations.vllm_ext.proposer import DASProposer, das_section
 
 K = 6
 MAX_LEN = 64

@@ -15,7 +15,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from integrations.ray_rollout import Group, RayRolloutDriver  # noqa: E402
+from integrations.rl.ray_rollout import Group, RayRolloutDriver  # noqa: E402
 
 
 class EchoWorker:

@@ -5,7 +5,9 @@ import pytest
 ray = pytest.importorskip("ray")
 pytest.importorskip("vllm")
 
-from integrations.ray_rollout import Group, RayRolloutDriver  # noqa: E402
+pytestmark = pytest.mark.engine  # each Ray worker builds a vLLM engine
+
+from integrations.rl.ray_rollout import Group, RayRolloutDriver  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import types
 
 import pytest
 
-from integrations.recipes import (
+from integrations.rl.recipes import (
     RECIPES_DIR,
     Recipe,
     check_das_engine_kwargs,
@@ -22,7 +22,6 @@ from integrations.recipes import (
     verl_vllm_cli_args,
     with_das_fields,
 )
-
 
 # ---- our loop
 
@@ -82,7 +81,7 @@ def test_recipe_values_are_type_and_range_checked(override, match):
 def test_every_recipe_field_has_a_rule():
     import dataclasses
 
-    from integrations import recipes
+    from integrations.rl import recipes
 
     listed = set(recipes._RULES)
     for f in dataclasses.fields(Recipe):
@@ -141,7 +140,7 @@ def test_check_das_engine_kwargs_rejects_mistakes():
         check_das_engine_kwargs({"speculative_config": {"method": "ngram", "num_speculative_tokens": 4}})
     with pytest.raises(ValueError, match="speculative_config.model"):
         check_das_engine_kwargs({"speculative_config": {"method": "custom_class", "model": "x.Y", "num_speculative_tokens": 4}})
-    ok = {"method": "custom_class", "model": "integrations.vllm_proposer.DASProposer", "num_speculative_tokens": 4}
+    ok = {"method": "custom_class", "model": "integrations.vllm_ext.proposer.DASProposer", "num_speculative_tokens": 4}
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         check_das_engine_kwargs({"speculative_config": {**ok, "num_speculative_tokens": 0}})
     with pytest.raises(ValueError, match="windw"):
@@ -159,7 +158,7 @@ def test_das_request_fields_from_verl_rows():
 
 def test_verl_agent_loop_adapter_with_a_stand_in_verl(monkeypatch):
     """The registry entry builds a SingleTurnAgentLoop subclass that adds extra_args (verl replaced by a stub)."""
-    import integrations.recipes as recipes
+    import integrations.rl.recipes as recipes
 
     seen = {}
 
@@ -193,13 +192,14 @@ def test_verl_agent_loop_adapter_with_a_stand_in_verl(monkeypatch):
 # ---- NeMo-RL
 
 
+@pytest.mark.engine
 def test_nemo_rl_recipe_matches_builder_and_runs_in_vllm(tiny_model):
     """NeMo-RL spreads policy.generation.vllm_kwargs into vllm.LLM(...): do the same with the recipe's kwargs."""
     from vllm import SamplingParams, TokensPrompt
 
-    from integrations import control
-    from integrations.engine import make_llm
-    from integrations.grpo import release_engine_state
+    from integrations.rl.grpo import release_engine_state
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import make_llm
 
     cfg = load_yaml(RECIPES_DIR / "nemo_rl" / "grpo_math_1B_das.yaml")
     assert cfg["defaults"] == "grpo_math_1B.yaml"

@@ -9,7 +9,7 @@ import pytest
 
 from benchmarks._replay_drafters import ngram_propose
 from benchmarks.replay import load_trace, main, replay
-from integrations.trace import Rollout, write_trace
+from integrations.data.trace import Rollout, write_trace
 
 
 def _trace(tmp_path, iterations=2, problems=2, samples=3, seed=0):

@@ -8,8 +8,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from integrations.data.trace import SCHEMA, Rollout, read_trace, write_trace
 from integrations.results import atomic_output, check_output_path, write_atomic
-from integrations.trace import SCHEMA, Rollout, read_trace, write_trace
 
 
 def test_check_output_path(tmp_path):

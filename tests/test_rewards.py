@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from integrations.data import CODE_PRELUDE, Problem
-from integrations.rewards import (
+from integrations.data.problems import CODE_PRELUDE, Problem
+from integrations.rl.rewards import (
     code_reward,
     extract_code,
     last_boxed,
@@ -54,7 +54,8 @@ def test_last_boxed_balances_braces_and_takes_the_last():
 
 @pytest.mark.parametrize(
     "gold,response",
-    [(r"\frac{3}{7}", r"So \boxed{3/7}."), ("2", r"\boxed{2.0}"), (r"\sqrt{2}", r"\boxed{\sqrt 2}"), ("(1,2)", r"\boxed{(1, 2)}"), ("124", r"We get \boxed{124}")],
+    [(r"\frac{3}{7}", r"So \boxed{3/7}."), ("2", r"\boxed{2.0}"), (r"\sqrt{2}", r"\boxed{\sqrt 2}"), ("(1,2)", r"\boxed{(1, 2)}"),
+     ("124", r"We get \boxed{124}")],
 )
 def test_math_equivalent_answers_score_one(gold, response):
     r = math_reward(response, gold)
@@ -79,7 +80,7 @@ def test_math_on_dsr_sub_ground_truth(shared_dsr):
 
 @pytest.fixture(scope="module")
 def shared_dsr():
-    from integrations.data import load_verl_parquet, shared_data_dir
+    from integrations.data.problems import load_verl_parquet, shared_data_dir
 
     f = shared_data_dir() / "dsr_sub.parquet"
     if not f.is_file():

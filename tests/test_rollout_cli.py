@@ -25,10 +25,11 @@ def test_every_method_sees_the_same_prompts():
     assert len({i for s in schedule for i in s}) <= 5  # drawn from a pool of 5 problems, revisited
 
 
+@pytest.mark.engine
 def test_main_job_end_to_end_on_tiny_model(tiny_model, tmp_path):
     pytest.importorskip("vllm")
+    from integrations.data.trace import read_trace
     from integrations.rollout import main
-    from integrations.trace import read_trace
 
     out, trace = tmp_path / "r.json", tmp_path / "t.parquet"
     rc = main(["--model", tiny_model, "--data", "champ", "--iterations", "2", "--prompts", "2", "--samples", "2",
@@ -61,7 +62,7 @@ def test_result_paths_are_checked_before_the_run(tmp_path):
 def test_tail_is_measured_from_the_90th_percentile_finish():
     import numpy as np
 
-    from integrations.timed_generate import BatchTimeline, Rollout
+    from integrations.vllm_ext.timed_generate import BatchTimeline, Rollout
 
     ends = [1.0] * 9 + [5.0]
     tl = BatchTimeline([Rollout(0, i, [1], "length", t) for i, t in enumerate(ends)], 5.0, np.array([1.0, 5.0]), np.array([1, 0]))

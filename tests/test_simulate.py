@@ -17,7 +17,8 @@ from benchmarks.simulate import ci95, lower_bound_s, main, requests_factory, run
 
 # A toy GPU whose numbers are easy by hand: 1 ms launch, 1 GB of weights at 1 TB/s (1 ms), 1 KB of
 # KV per token, 1 GFLOP per token at 10 TFLOP/s (0.1 ms per token), no attention FLOPs.
-TOY = Roofline(launch_s=1e-3, weight_bytes=1e9, kv_bytes_per_token=1e3, flops_per_token=1e9, attn_flops_per_pair=0.0, bytes_per_s=1e12, flops_per_s=1e13, kv_capacity_tokens=230)
+TOY = Roofline(launch_s=1e-3, weight_bytes=1e9, kv_bytes_per_token=1e3, flops_per_token=1e9, attn_flops_per_pair=0.0, bytes_per_s=1e12, flops_per_s=1e13,
+               kv_capacity_tokens=230)
 
 
 def test_roofline_is_the_max_of_compute_and_memory():
@@ -178,7 +179,8 @@ def test_loops_run_to_the_cap():
 
 def test_cli_writes_the_required_json_keys(tmp_path, capsys):
     path = tmp_path / "sim.json"
-    main(["--prompts", "8", "--samples", "4", "--gpus", "2", "--max-tokens", "2048", "--seeds", "2", "--json", str(path), "--plot", "none", "--placements", "none,split"])
+    main(["--prompts", "8", "--samples", "4", "--gpus", "2", "--max-tokens", "2048", "--seeds", "2", "--json", str(path), "--plot", "none",
+          "--placements", "none,split"])
     data = json.loads(path.read_text())
     keys = {p for p in POLICIES} | {f"{p}+split" for p in POLICIES}
     assert set(data["paper_setting"]) == keys
@@ -207,7 +209,7 @@ def test_sweep_point_pruning_matches_all_gpus():
 
 def test_trace_input(tmp_path):
     from benchmarks import predictor as predictor_cli
-    from integrations.trace import Rollout, write_trace
+    from integrations.data.trace import Rollout, write_trace
 
     rng = np.random.default_rng(0)
     rows = []

@@ -8,7 +8,7 @@ import numpy as np
 
 from benchmarks.replay import load_trace
 from benchmarks.step_cost import Workload, main, simulate
-from integrations.trace import Rollout, write_trace
+from integrations.data.trace import Rollout, write_trace
 
 
 def _trace(tmp_path, iterations=2, problems=2, samples=3, seed=0):

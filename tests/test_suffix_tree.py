@@ -143,7 +143,10 @@ def assert_draft(tree: SuffixTree, orc: Oracle, context, **kw):
     assert got.match_len == mlen
 
 
-tokens_st = lambda vocab, n: st.lists(st.integers(0, vocab - 1), max_size=n)
+def tokens_st(vocab, n):
+    return st.lists(st.integers(0, vocab - 1), max_size=n)
+
+
 WEIGHTS = [0.25, 0.5, 1.0, 2.0, 3.0, 4.0]  # dyadic-friendly: sums are exact, so ties are exact
 
 

@@ -8,8 +8,9 @@ vllm = pytest.importorskip("vllm")
 
 def test_expand_float_temperatures_after_proposer_import():
     # Importing the proposer module (as vLLM's worker does) must install the fix.
-    import integrations.vllm_proposer  # noqa: F401
     from vllm.v1.sample import rejection_sampler
+
+    import integrations.vllm_ext.proposer  # noqa: F401
 
     temps = torch.tensor([0.6, 1.0, 0.3], dtype=torch.float32)
     cu = torch.tensor([2, 5, 6], dtype=torch.int32)
@@ -19,7 +20,7 @@ def test_expand_float_temperatures_after_proposer_import():
 
 
 def test_expand_replaces_values_and_handles_empty_requests():
-    from integrations.vllm_fixes import expand_batch_to_tokens
+    from integrations.vllm_ext.fixes import expand_batch_to_tokens
 
     x = torch.tensor([5, 0, 7, 0], dtype=torch.int64)
     cu = torch.tensor([1, 1, 3, 5], dtype=torch.int32)  # request 1 has no draft positions
@@ -29,9 +30,10 @@ def test_expand_replaces_values_and_handles_empty_requests():
 
 def test_engine_scan_survives_llvmlite_objects():
     import numba  # noqa: F401  (puts llvmlite's ffi.lib, which fakes __dict__, in sys.modules)
-    import integrations.vllm_proposer  # noqa: F401
     from llvmlite.binding import ffi
     from vllm.triton_utils import dispatcher
+
+    import integrations.vllm_ext.proposer  # noqa: F401
 
     assert dispatcher.vars(ffi.lib) == {}
     assert dispatcher.vars(dispatcher)["__name__"] == dispatcher.__name__

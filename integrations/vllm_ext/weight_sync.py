@@ -26,10 +26,10 @@ worker live in the calling process and the tensors are passed by reference. With
 processes ``collective_rpc`` pickles them (fine for small models; on GPUs frameworks use CUDA IPC
 or NCCL buckets, as verl's ``update_weights_from_ipc`` and NeMo-RL's refit do).
 
-The drafter window must then advance: call :func:`integrations.control.begin_iteration` with the
+The drafter window must then advance: call :func:`integrations.vllm_ext.control.begin_iteration` with the
 new policy version (the GRPO loop does). For frameworks that own the weight sync (verl,
 NeMo-RL), :class:`SyncAwareDASProposer` (``speculative_config.model =
-"integrations.weight_sync.SyncAwareDASProposer"``) advances the version by itself: it wraps the
+"integrations.vllm_ext.weight_sync.SyncAwareDASProposer"``) advances the version by itself: it wraps the
 model's ``load_weights`` (which both frameworks call in the vLLM worker for every refit bucket)
 and, at the first engine step after any weight load, calls ``begin_iteration(version + 1)``.
 """
@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
-__all__ = ["SyncStats", "named_tensors", "sync_weights", "engine_state_dict", "drafter_policy_version", "SyncAwareDASProposer"]
+__all__ = ["SyncStats", "named_tensors", "sync_weights", "engine_state_dict", "drafter_policy_version", "SyncAwareDASProposer"]  # noqa: F822  (made by __getattr__ below, so vLLM is imported only when asked for)
 
 
 @dataclasses.dataclass
@@ -140,17 +141,17 @@ def _sync_aware_class() -> type:
         return _SYNC_AWARE
     import weakref
 
-    from integrations.vllm_proposer import DASProposer
+    from integrations.vllm_ext.proposer import DASProposer
 
     class SyncAwareDASProposer(DASProposer):
-        """:class:`integrations.vllm_proposer.DASProposer` that advances its policy version on weight loads.
+        """:class:`integrations.vllm_ext.proposer.DASProposer` that advances its policy version on weight loads.
 
         vLLM calls ``load_model(target_model)`` on the drafter once the target model is built;
         this wraps ``target_model.load_weights`` so that any later call (an RL framework's weight
         sync, in one or many buckets) marks the weights changed. The next ``propose`` (the first
         engine step with the new weights) then calls ``begin_iteration(current + 1)`` once. Use it
         where the framework, not you, drives the weight sync (verl, NeMo-RL); do not also call
-        :func:`integrations.control.begin_iteration` for the same syncs, or versions advance twice.
+        :func:`integrations.vllm_ext.control.begin_iteration` for the same syncs, or versions advance twice.
         ``snapshot()`` adds ``weight_loads`` (syncs seen) and ``policy_version``.
         """
 

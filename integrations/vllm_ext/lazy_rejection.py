@@ -21,7 +21,8 @@ seeded requests are not supported by this fast path: such steps fall back to vLL
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -1,6 +1,6 @@
 """One place that builds vLLM engines for every speculative method the project compares.
 
-``make_llm`` applies this machine's CPU settings by itself (see :mod:`integrations.cpu_runtime`)
+``make_llm`` applies this machine's CPU settings by itself (see :mod:`integrations.vllm_ext.cpu_runtime`)
 and builds ``speculative_config`` for ``none``, ``das``, ``ngram`` (vLLM prompt lookup) and
 ``suffix`` (vLLM's SuffixDecoding, arctic-inference) from :func:`speculative_config`.
 """
@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from integrations import cpu_runtime
+from integrations.vllm_ext import cpu_runtime
 
 METHODS = ("none", "das", "ngram", "suffix", "suffix-bs")
-PROPOSER_CLASS = "integrations.vllm_proposer.DASProposer"
+PROPOSER_CLASS = "integrations.vllm_ext.proposer.DASProposer"
 # Default K (most draft tokens per row and step). ngram: vLLM's usual prompt-lookup setting;
 # suffix: arctic-inference's own default; das: the same budget as suffix, so acceptance compares.
 DEFAULT_NUM_SPEC_TOKENS = {"das": 16, "ngram": 4, "suffix": 16, "suffix-bs": 16}
@@ -68,7 +68,7 @@ def make_llm(
         method: ``none`` | ``das`` | ``ngram`` | ``suffix``.
         num_speculative_tokens: K (see :func:`speculative_config`).
         das_config: DAS drafter settings (``additional_config['das']``), das only.
-        dtype: model dtype; None decides it from the CPU (:func:`integrations.cpu_runtime.decide`;
+        dtype: model dtype; None decides it from the CPU (:func:`integrations.vllm_ext.cpu_runtime.decide`;
             ``bfloat16`` on CUDA); float32 for token-for-token greedy identity tests.
         max_model_len: tokens (prompt + output) per request.
         seed: engine seed.
@@ -89,7 +89,7 @@ def make_llm(
     chosen = cpu_runtime.apply_cpu_defaults(dtype)
     if dtype is None:
         dtype = chosen.dtype if chosen is not None else "bfloat16"
-    from integrations import vllm_fixes
+    from integrations.vllm_ext import fixes as vllm_fixes
 
     vllm_fixes.apply()  # before LLM(): the engine core runs in this process on CPU
     from vllm import LLM

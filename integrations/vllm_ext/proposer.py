@@ -4,7 +4,7 @@ Use from plain vLLM, no registration step::
 
     LLM(model=..., speculative_config={
             "method": "custom_class",
-            "model": "integrations.vllm_proposer.DASProposer",
+            "model": "integrations.vllm_ext.proposer.DASProposer",
             "num_speculative_tokens": 8},
         additional_config={"das": {"window": 16, "decay": 0.9}})
 
@@ -52,7 +52,7 @@ import numpy as np
 
 from das.drafter import DASDrafter
 from das.suffix_tree import Draft
-from integrations import vllm_fixes
+from integrations.vllm_ext import fixes as vllm_fixes
 from scheduler.cost_model import CostModel
 from scheduler.regime_cost import TwoRegimeCost
 from scheduler.step_policy import choose_drafts, drafting_can_pay
@@ -63,7 +63,7 @@ logger = logging.getLogger(__name__)
 vllm_fixes.apply()
 
 # Live proposers of this process, so an in-process driver can reach them (tests, tools).
-_INSTANCES: "weakref.WeakSet[DASProposer]" = weakref.WeakSet()
+_INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 
 DRAFTER_KEYS = frozenset(
     ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree", "prior")
@@ -500,7 +500,7 @@ class DASProposer:
                 self.scheduler.predictor.observe(pid, self.drafter.policy_version, np.minimum(lengths, self.scheduler.predictor.max_tokens))
             self._finished_lengths.clear()
 
-    # ---- control verbs, reached from the driver through LLM.collective_rpc (see integrations.control)
+    # ---- control verbs, reached from the driver through LLM.collective_rpc (see integrations.vllm_ext.control)
     def begin_iteration(self, policy_version: int) -> None:
         """Advance the drafter's window to ``policy_version`` (see DASDrafter.begin_iteration) and
         add the lengths of the rollouts finished since the last call to the length history."""

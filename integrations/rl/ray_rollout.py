@@ -21,11 +21,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
-from integrations import cpu_runtime
+from integrations.vllm_ext import cpu_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -53,19 +54,19 @@ class RolloutWorker:
     Args:
         model: local model directory.
         method: ``none`` | ``das`` | ``ngram`` | ``suffix``.
-        engine_kwargs: passed to :func:`integrations.engine.make_llm`.
+        engine_kwargs: passed to :func:`integrations.vllm_ext.engine.make_llm`.
     """
 
     def __init__(self, model: str, method: str, engine_kwargs: dict[str, Any]):
         cpu_runtime.apply_cpu_defaults()
-        from integrations.engine import make_llm
+        from integrations.vllm_ext.engine import make_llm
 
         self.method = method
         self.llm = make_llm(model, method, **engine_kwargs)
 
     def begin_iteration(self, policy_version: int) -> None:
         if self.method == "das":
-            from integrations import control
+            from integrations.vllm_ext import control
 
             control.begin_iteration(self.llm, policy_version)
 
@@ -106,7 +107,7 @@ class RayRolloutDriver:
         interleave: assignment policy, one of ``scheduler.interleave.METHODS`` (``lpt`` default).
         max_tokens: rollout max output length (tokens); also the length predictor's range.
         temperature: sampling temperature.
-        engine_kwargs: passed to :func:`integrations.engine.make_llm` in each worker.
+        engine_kwargs: passed to :func:`integrations.vllm_ext.engine.make_llm` in each worker.
         num_cpus_per_worker: Ray CPUs reserved per worker.
         task_timeout_s: deadline of one dispatched batch of groups (seconds from its dispatch; None:
             none). A worker that has not returned its batch by then is taken as hung: it is killed
@@ -239,7 +240,7 @@ class RayRolloutDriver:
         policy_version: int,
         seed: int = 0,
         sampling: dict[str, Any] | None = None,
-        on_dispatch: Callable[["RayRolloutDriver", np.ndarray], None] | None = None,
+        on_dispatch: Callable[[RayRolloutDriver, np.ndarray], None] | None = None,
     ) -> dict[str, list[list[int]]]:
         """Generate every group on the workers; returns ``{group_id: [output token ids per sample]}``.
 

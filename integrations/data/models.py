@@ -238,7 +238,7 @@ def _tiny_corpus() -> tuple[list[str], str]:
                         texts.append(d["prompt"] + d["canonical_solution"])
             names.append("humaneval")
     if not texts:
-        for f in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        for f in sorted(Path(__file__).resolve().parents[1].rglob("*.py")):  # all of integrations/, subpackages included
             texts.append(f.read_text(encoding="utf-8"))
         names.append("integrations-source")
     return [t for t in texts if t], "+".join(names)
@@ -306,9 +306,11 @@ def _build_tiny(out: Path, arch: str, vocab_size: int, seed: int) -> None:
         tie_word_embeddings=False,
     )
     if arch == "llama":
-        from transformers import LlamaConfig as Config, LlamaForCausalLM as Model
+        from transformers import LlamaConfig as Config
+        from transformers import LlamaForCausalLM as Model
     else:
-        from transformers import Qwen2Config as Config, Qwen2ForCausalLM as Model
+        from transformers import Qwen2Config as Config
+        from transformers import Qwen2ForCausalLM as Model
     config = Config(**common)
     config.dtype = torch.float32
     with torch.device("cpu"):
@@ -411,7 +413,7 @@ def resolve_model(spec: str | os.PathLike | None) -> str:
     if p.is_file() and p.suffix.lower() == ".gguf":
         raise ValueError(
             f"{s!r} is a GGUF file, which vLLM on CPU cannot load; convert it to a Hugging Face "
-            "directory first (see integrations.models.smollm2_path for how)"
+            "directory first (see integrations.data.models.smollm2_path for how)"
         )
     raise ValueError(
         f"model {s!r} is not 'smollm2', 'tiny' or an existing local model directory. Downloads from "

@@ -32,7 +32,7 @@ release v0.9.0; files ``verl/trainer/config/rollout/rollout.yaml``,
   and revisits, as long as the prompt text does not change between epochs.
 * Policy versions: verl drives the weight sync (``vLLMColocateWorkerExtension.update_weights_from_ipc``
   calls ``model_runner.model.load_weights`` in every vLLM worker, bucket by bucket), so the
-  overlay names :class:`integrations.weight_sync.SyncAwareDASProposer`, which advances the
+  overlay names :class:`integrations.vllm_ext.weight_sync.SyncAwareDASProposer`, which advances the
   drafter window at the first engine step after any weight load.
 
 NeMo-RL (checked against NVIDIA-NeMo/RL ``main`` at commit 7ea279ab, 2026-08-22, after v0.7.0;
@@ -46,7 +46,7 @@ NeMo-RL (checked against NVIDIA-NeMo/RL ``main`` at commit 7ea279ab, 2026-08-22,
 * Per-request fields: ``_build_sampling_params`` sets no ``extra_args``, so problems are keyed
   by the prompt-token hash (see above).
 * Refit calls ``self.model_runner.model.load_weights(weights=...)`` in each worker, so
-  :class:`~integrations.weight_sync.SyncAwareDASProposer` advances versions there too.
+  :class:`~integrations.vllm_ext.weight_sync.SyncAwareDASProposer` advances versions there too.
 * vLLM workers run in NeMo-RL's own virtual environment: das must be importable there
   (``policy.generation.vllm_cfg.env_vars.PYTHONPATH`` pointing at a das checkout, or install das
   into that environment).
@@ -58,8 +58,9 @@ import copy
 import dataclasses
 import json
 import math
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 __all__ = [
     "RECIPES_DIR",
@@ -77,9 +78,9 @@ __all__ = [
     "load_yaml",
 ]
 
-RECIPES_DIR = Path(__file__).resolve().parents[1] / "recipes"
-SYNC_AWARE_PROPOSER = "integrations.weight_sync.SyncAwareDASProposer"
-EXPLICIT_PROPOSER = "integrations.vllm_proposer.DASProposer"
+RECIPES_DIR = Path(__file__).resolve().parents[2] / "recipes"
+SYNC_AWARE_PROPOSER = "integrations.vllm_ext.weight_sync.SyncAwareDASProposer"
+EXPLICIT_PROPOSER = "integrations.vllm_ext.proposer.DASProposer"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -154,10 +155,10 @@ class LogSection:
 
 @dataclasses.dataclass
 class Recipe:
-    """Everything the GRPO loop (:mod:`integrations.grpo`) reads."""
+    """Everything the GRPO loop (:mod:`integrations.rl.grpo`) reads."""
 
     model: str | None = None  # None: SmolLM2-135M-Instruct; 'tiny'; a local HF dir
-    data: str | None = "dsr_sub"  # integrations.data.load_problems spec
+    data: str | None = "dsr_sub"  # integrations.data.problems.load_problems spec
     pool: int | None = 64  # problems drawn from (a seeded sample); None: all
     seed: int = 0
     steps: int = 10
@@ -173,25 +174,27 @@ class Recipe:
         d["train"]["betas"] = list(d["train"]["betas"])
         return d
 
-    def validate(self) -> "Recipe":
+    def validate(self) -> Recipe:
         """Check every value's type and range (and the cross-field rules); returns self.
 
         Raises:
             ValueError: ``"bad recipe: <section.key> must be ..., got <value>"`` for each bad value.
         """
-        from integrations.engine import METHODS
+        from integrations.vllm_ext.engine import METHODS
 
         bad = _check_fields(self)
-        r, s, t = self.rollout, self.speculative, self.train
+        r, s = self.rollout, self.speculative
         if bad:  # the cross-field rules below assume well-typed values
             raise ValueError("bad recipe: " + "; ".join(bad))
         checks = [
             (self.pool is None or self.pool >= r.prompts_per_step, f"pool ({self.pool}) must be >= rollout.prompts_per_step ({r.prompts_per_step})"),
-            (r.max_model_len > r.max_tokens, f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
+            (r.max_model_len > r.max_tokens,
+             f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
             (s.method in METHODS, f"speculative.method must be one of {list(METHODS)}, got {s.method!r}"),
             (s.method == "none" or s.num_speculative_tokens is not None, f"speculative.num_speculative_tokens is needed for method {s.method!r}"),
             (self.scheduler.policy == "none" or s.method == "das", "scheduler.policy 'class' needs speculative.method 'das'"),
-            (self.reward.overlong_buffer < r.max_tokens, f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens ({r.max_tokens})"),
+            (self.reward.overlong_buffer < r.max_tokens,
+             f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens ({r.max_tokens})"),
             (self.reward.sandbox != "none" or self.reward.network == "allow",
              "reward.sandbox 'none' cannot cut the network: set reward.network to 'allow' as well (trusted code only)"),
         ]
@@ -199,7 +202,7 @@ class Recipe:
         if bad:
             raise ValueError("bad recipe: " + "; ".join(bad))
         if s.method == "das":
-            from integrations.vllm_proposer import das_section
+            from integrations.vllm_ext.proposer import das_section
 
             try:
                 drafter_kwargs, _ = das_section({"das": dict(s.das)})  # unknown keys / budget settings
@@ -272,7 +275,7 @@ _RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
 }
 
 
-def _check_fields(rec: "Recipe") -> list[str]:
+def _check_fields(rec: Recipe) -> list[str]:
     bad = []
     for (section, key), (ok, what) in _RULES.items():
         obj = rec if not section else getattr(rec, section)
@@ -396,7 +399,7 @@ def check_das_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     extra = engine_kwargs.get("additional_config") or {}
     if isinstance(extra, str):
         extra = json.loads(extra)
-    from integrations.vllm_proposer import das_section
+    from integrations.vllm_ext.proposer import das_section
 
     das_section(extra)
     return dict(extra.get("das", {}))

@@ -24,7 +24,7 @@ version that returns ``{}`` for such objects.
 3. The speculative path's per-step tax. vLLM's ``rejection_sample`` pre-samples a recovered token
 for every row of every step (an exponential over ``[rows, vocab]``, 39 ms per step at 32 x 49,152
 on this CPU) even when no row drafted, so a step without drafts cost ~1.4x a plain step. We replace
-it with :func:`integrations.lazy_rejection.rejection_sample`, which samples recovered tokens only
+it with :func:`integrations.vllm_ext.lazy_rejection.rejection_sample`, which samples recovered tokens only
 for rows that were rejected (same distribution; tests/test_lazy_rejection.py and the engine's
 chi-square test). This one belongs upstream (vLLM PR #41258 does it for the GPU kernels).
 
@@ -114,7 +114,7 @@ def apply() -> bool:
     vLLM version outside :data:`TESTED_VLLM_VERSIONS` it warns once and changes nothing.
     """
     global _warned_version
-    from integrations.cpu_runtime import is_cpu_build
+    from integrations.vllm_ext.cpu_runtime import is_cpu_build
 
     if not is_cpu_build():
         return False
@@ -133,7 +133,7 @@ def apply() -> bool:
     if rejection_sampler.expand_batch_to_tokens is not expand_batch_to_tokens:
         rejection_sampler.expand_batch_to_tokens = expand_batch_to_tokens
         logger.info("das: replaced vLLM's CPU expand_batch_to_tokens (lossless sampling fix)")
-    from integrations import lazy_rejection
+    from integrations.vllm_ext import lazy_rejection
 
     if rejection_sampler.rejection_sample is not lazy_rejection.rejection_sample:
         lazy_rejection.set_fallback(rejection_sampler.rejection_sample)

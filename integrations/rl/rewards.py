@@ -82,9 +82,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 __all__ = [
     "Reward",
@@ -250,8 +251,8 @@ class _MathWorker:
         self._proc: subprocess.Popen | None = None
 
     def _start(self) -> subprocess.Popen:
-        root = str(Path(__file__).resolve().parents[1])
-        src = f"import sys; sys.path.insert(0, {root!r}); from integrations.rewards import _math_worker_main; _math_worker_main()"
+        root = str(Path(__file__).resolve().parents[2])  # the repository root, above integrations/
+        src = f"import sys; sys.path.insert(0, {root!r}); from integrations.rl.rewards import _math_worker_main; _math_worker_main()"
         env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
         env["OMP_NUM_THREADS"] = "1"
         return subprocess.Popen([sys.executable, "-c", src], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -1202,7 +1203,7 @@ def score_responses(
     workers: int = 2,
     **run_kwargs: Any,
 ) -> list[Reward]:
-    """Score ``responses[i]`` against ``problems[i]`` (an :class:`integrations.data.Problem`).
+    """Score ``responses[i]`` against ``problems[i]`` (an :class:`integrations.data.problems.Problem`).
 
     Math is checked in the calling thread (any thread: see :func:`math_reward`); code runs in
     sandboxes, ``workers`` at a time. ``run_kwargs`` go to :func:`run_tests`.

@@ -28,9 +28,10 @@ import gzip
 import importlib.util
 import json
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 __all__ = [
     "Problem",
@@ -198,7 +199,7 @@ def shared_data_dir() -> Path:
     env = os.environ.get("DAS_DATA_DIR")
     if env:
         return Path(env).expanduser()
-    return Path(__file__).resolve().parents[1].parent / "shared" / "data"
+    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
 
 
 #: Short names accepted by :func:`load_problems` for files in :func:`shared_data_dir`.
@@ -258,7 +259,7 @@ def _messages(raw: Any, where: str, key: str = "prompt") -> list[dict]:
     return out
 
 
-def _unique_ids(problems: list["Problem"], rows: list[int], path: Path) -> list["Problem"]:
+def _unique_ids(problems: list[Problem], rows: list[int], path: Path) -> list[Problem]:
     seen: dict[str, int] = {}
     for p, row in zip(problems, rows):
         if p.problem_id in seen:
@@ -586,7 +587,7 @@ def render_prompts(problems: Iterable[Problem | Sequence[dict]], tokenizer: Any)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ValueError(
             f"tokenizer {type(tokenizer).__name__} has no chat template; "
-            "use a chat model (e.g. integrations.models.smollm2_path()) or set tokenizer.chat_template"
+            "use a chat model (e.g. integrations.data.models.smollm2_path()) or set tokenizer.chat_template"
         )
     out: list[list[int]] = []
     for p in problems:

