@@ -216,7 +216,7 @@ def test_a_request_with_bad_options_loses_only_its_own_draft(bad):
 
 
 def test_warm_up_and_exploration_drafts_are_bounded_and_go_to_the_likeliest_rows():
-    from integrations.vllm_proposer import _likeliest_rows
+    from integrations.vllm_ext.proposer import _likeliest_rows
 
     probs = [np.array([0.2, 0.9], np.float32), np.empty(0, np.float32), np.array([0.9] * 6, np.float32), np.array([0.5] * 3, np.float32)]
     assert _likeliest_rows(probs, per_row=4, total=5).tolist() == [0, 0, 4, 1]  # 4 on the likeliest, the rest to the next

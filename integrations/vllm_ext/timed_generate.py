@@ -61,19 +61,13 @@ class BatchTimeline:
         return float(ends[-1] - ends[k])
 
 
-def generate_timed(llm: Any, prompts: list[list[int]], params: list[Any], *, share_prefill: bool = True) -> BatchTimeline:
+def generate_timed(llm: Any, prompts: list[list[int]], params: list[Any]) -> BatchTimeline:
     """Generate ``params[i].n`` samples of each prompt ``prompts[i]``, recording finish times.
 
     Args:
         llm: a ``vllm.LLM``.
         prompts: token ids per prompt.
         params: one ``SamplingParams`` per prompt; its ``n`` samples become ``n`` requests with ``n=1``.
-        share_prefill: prefill each prompt once: the first sample of every group is added first,
-            the other ``n - 1`` once every first sample has its first token, so they find the
-            prompt's KV blocks in vLLM's prefix cache. Added together, the ``n`` samples of a
-            group are scheduled in one step and each prefills the whole prompt (a 22% prefix-cache
-            hit rate was seen for 8 x 8 rollouts): on a 2-core CPU that prefill took ~40% of a
-            256-token rollout batch. Sampling is unchanged (every sample is its own request either way).
 
     Returns:
         :class:`BatchTimeline`.
@@ -82,16 +76,11 @@ def generate_timed(llm: Any, prompts: list[list[int]], params: list[Any], *, sha
         ValueError: ``prompts`` and ``params`` differ in length.
     """
     from vllm import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
 
     if len(prompts) != len(params):
         raise ValueError(f"prompts ({len(prompts)}) and params ({len(params)}) must have one entry each")
     engine = llm.llm_engine
     keys: dict[str, tuple[int, int]] = {}
-    later: list[tuple[str, list[int], Any]] = []  # samples held back until their prompt is prefilled
-    leaders: set[str] = set()  # first samples still without a token
-    cache_on = bool(getattr(getattr(getattr(engine, "vllm_config", None), "cache_config", None), "enable_prefix_caching", False))
-    t0 = time.perf_counter()
     for group, (ids, sp) in enumerate(zip(prompts, params)):
         n = max(1, int(getattr(sp, "n", 1)))
         single = sp.clone()
@@ -99,29 +88,13 @@ def generate_timed(llm: Any, prompts: list[list[int]], params: list[Any], *, sha
         for sample in range(n):
             req_id = f"das-{next(_ids)}"
             keys[req_id] = (group, sample)
-            if sample and share_prefill and cache_on:
-                later.append((req_id, ids, single))
-                continue
-            leaders.add(req_id)
-            lead = single
-            if share_prefill and n > 1 and single.output_kind != RequestOutputKind.CUMULATIVE:
-                lead = single.clone()
-                lead.output_kind = RequestOutputKind.CUMULATIVE  # its first token must show in a step's outputs
-            engine.add_request(req_id, TokensPrompt(prompt_token_ids=list(ids)), lead)
-    if not later:
-        leaders.clear()
+            engine.add_request(req_id, TokensPrompt(prompt_token_ids=list(ids)), single)
     total = len(keys)
     done: dict[tuple[int, int], Rollout] = {}
     step_s, running = [], []
-    while engine.has_unfinished_requests() or later:
-        outs = engine.step() if engine.has_unfinished_requests() else []
-        if later:
-            leaders.difference_update(o.request_id for o in outs if o.outputs and (o.outputs[0].token_ids or o.finished))
-            if not leaders or not engine.has_unfinished_requests():
-                for req_id, ids, single in later:
-                    engine.add_request(req_id, TokensPrompt(prompt_token_ids=list(ids)), single)
-                later.clear()
-        for out in outs:
+    t0 = time.perf_counter()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
             if out.finished and out.request_id in keys:
                 g, s = keys[out.request_id]
                 c = out.outputs[0]
