@@ -246,3 +246,32 @@ def test_cost_budget_warm_up_step_drafts_a_quarter_of_a_large_batch():
         drafted.append(sum(len(d) for d in out))
     assert max(drafted) > 0
     assert max(drafted) <= rows // 4
+
+
+def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimates():
+    # The cost fit and the calibration can both be too optimistic; the realized tokens per second
+    # of drafting steps against the fitted plain step is the check. Steps fed by hand: 8 rows,
+    # plain 0.1 s; drafting steps of 8 draft tokens.
+    prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
+    now = 0.0
+
+    def step(seconds, drafted, accepted):
+        nonlocal now
+        prop._last_drafted = drafted
+        now += seconds
+        prop._record_step(now, 8 + drafted, 800, True, 8, accepted)
+
+    step(0.1, 0, 0)  # the first step only starts the clock
+    for _ in range(8):
+        step(0.1, 0, 0)
+        step(0.1 + 0.01 * 8, 8, 4)  # fits the model: a draft token costs 10 ms
+    assert prop.regimes.ready
+    start = prop._payoff_scale
+    for _ in range(20):
+        step(0.4, 8, 1)  # 9 tokens in 0.4 s against 8 in 0.1 s: drafting loses on the clock
+    assert prop._payoff_scale < start and prop._payoff_scale >= 0.25
+    low = prop._payoff_scale
+    assert np.allclose(prop._row_calibration([None]), prop._calibration() * low)
+    for _ in range(20):
+        step(0.11, 8, 8)  # 16 tokens in 0.11 s: drafting pays
+    assert low < prop._payoff_scale <= 1.0

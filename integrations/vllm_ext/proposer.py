@@ -213,6 +213,12 @@ class DASProposer:
         self._last_start: float | None = None
         self._interval_ema: float | None = None  # seconds per clean step, to drop idle gaps from the fit
         self._accepted = self._predicted = 0.0  # decayed sums for probability calibration
+        # Realized payoff of drafting, as a factor on every acceptance probability: drafting
+        # steps that yield fewer tokens per second than the fitted plain step would shrink it,
+        # paying ones grow it back (at most 1). It guards "never slower" against a cost fit or
+        # a calibration that is too optimistic (seen on an AVX2 CPU, where a draft token costs
+        # about what a row costs).
+        self._payoff_scale = 1.0
         self._last_error_log = 0.0
         _INSTANCES.add(self)
 
@@ -264,6 +270,7 @@ class DASProposer:
         budgets = np.zeros(rows, np.int64)
         clean = rows > 0  # every row decoded last step too: the step time is a fit sample
         step_tokens = context_tokens = 0  # tokens in the forward pass that just ran, KV tokens it read
+        step_accepted = 0  # draft tokens the forward pass that just ran accepted
         grown_rows, grown_from, grown_to = [], [], []  # rows whose verified tokens go to the drafter
         for row, sampled in enumerate(sampled_token_ids):
             req_id = batch.req_ids[row]
@@ -282,6 +289,7 @@ class DASProposer:
                     req.predicted += req.last_psum
                     self._accepted = 0.99 * self._accepted + (gained - 1)
                     self._predicted = 0.99 * self._predicted + req.last_psum
+                    step_accepted += gained - 1
                 grown_rows.append(row)
                 grown_from.append(req.seen)
                 grown_to.append(num_tokens)
@@ -300,7 +308,7 @@ class DASProposer:
             aligned = grown_rows[-1] == len(grown_rows) - 1
             tokens = token_ids_cpu if aligned else token_ids_cpu[grown_rows, : int(ends.max())]
             drafter.add_tokens_batch([batch.req_ids[r] for r in grown_rows], tokens, np.array(grown_from, np.int64), ends)
-        self._record_step(now, step_tokens, context_tokens, clean, rows)
+        self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted)
         budgets = np.minimum(budgets, self._request_caps(reqs))
         prices = cal = None
         if self.budget == "cost":  # priced once per step, used by the gate and by the selection
@@ -401,7 +409,7 @@ class DASProposer:
         caps[live] = np.minimum(caps[live], sched_caps)
         return caps
 
-    def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool, rows: int) -> None:
+    def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool, rows: int, accepted: int = 0) -> None:
         """Feed the interval since the previous step into the cost models, unless it is not a pure decode step."""
         last, self._last_start = self._last_start, now
         drafted, self._last_drafted = self._last_drafted, 0
@@ -414,6 +422,10 @@ class DASProposer:
         self.cost.observe(step_tokens, interval, context_tokens)
         self.regimes.observe(rows, drafted, interval)
         self._since_plain = self._since_plain + 1 if drafted else 0
+        if drafted and self.budget == "cost" and self._given_costs is None and self.regimes.ready:
+            # tokens per second of this drafting step against the fitted plain step's
+            payoff = (rows + accepted) / interval * max(self.regimes.plain(rows), 1e-9) / rows
+            self._payoff_scale = float(np.clip(self._payoff_scale * payoff**0.1, 0.25, 1.0))
 
     def _calibration(self) -> float:
         """Accepted / predicted draft tokens over recent steps, with a prior of 4 tokens at 1.0.
@@ -426,7 +438,8 @@ class DASProposer:
     def _row_calibration(self, reqs: list) -> np.ndarray:
         """Per-row acceptance calibration: the request's own accepted / predicted, shrunk toward the global one."""
         glob = self._calibration()
-        return np.array([glob if r is None else (r.accepted + 8.0 * glob) / (r.predicted + 8.0) for r in reqs])
+        cal = np.array([glob if r is None else (r.accepted + 8.0 * glob) / (r.predicted + 8.0) for r in reqs])
+        return cal * self._payoff_scale
 
     def _cost_allows_drafts(self, budgets: np.ndarray, prices: tuple | None, cal: np.ndarray) -> bool:
         """``cost`` budget, before any lookup: can a draft pay for its verification this step?
@@ -511,5 +524,5 @@ class DASProposer:
     def snapshot(self) -> dict[str, Any]:
         """Proposer counters plus drafter memory statistics."""
         cost = {"cost_model": self.cost.coefficients(), "cost_samples": self.cost.n_samples, "budget": self.budget,
-                "calibration": self._calibration(), "step_cost": self.regimes.coefficients()}
+                "calibration": self._calibration(), "payoff_scale": self._payoff_scale, "step_cost": self.regimes.coefficients()}
         return {**self.stats.as_dict(), **cost, **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}
