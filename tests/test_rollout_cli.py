@@ -97,4 +97,3 @@ def test_missing_data_file_is_a_one_line_error(tiny_model, tmp_path, capsys):
     assert main(["--model", tiny_model, "--data", str(missing), "--compare", ""]) == 2
     err = capsys.readouterr().err
     assert "das-rollout: error:" in err and "nope.parquet" in err and "Traceback" not in err
-

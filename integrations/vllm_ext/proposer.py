@@ -488,7 +488,7 @@ class DASProposer:
         # Warm-up and exploration steps draft without prices: keep them cheap at any batch size
         # (a draft token costs about what a row costs where the forward is compute-bound, so 4
         # tokens on each of 64 rows made a warm-up step cost ~4 plain steps on an AVX2 CPU).
-        if prices is None:  # warm-up drafting step: up to 4 tokens on the likeliest rows, ~1/4 of the batch's tokens
+        if prices is None:  # warm-up drafting step: up to 4 tokens per row on the likeliest rows, rows // 4 tokens in all
             return _likeliest_rows(probs, per_row=4, total=max(4, len(probs) // 4))
         if self._exploring:  # exploration step: the first draft token of the likeliest rows
             self._exploring = False
