@@ -18,6 +18,8 @@ model's accuracy.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 
@@ -47,7 +49,7 @@ def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, cal
 
 
 def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: float, per_draft_s: float,
-                  calibration: float | np.ndarray = 1.0) -> np.ndarray:
+                  calibration: float | np.ndarray = 1.0, prob_map: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
     """Throughput-optimal draft tokens per row when plain and speculative steps are priced apart.
 
     A step over ``B`` rows costs ``plain_s`` seconds without drafts and
@@ -63,6 +65,9 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
         spec_base_s: seconds of the step with drafts, before the drafts' own cost (> 0).
         per_draft_s: seconds per draft token (>= 0).
         calibration: scalar or ``[rows]`` factors on the probabilities (clipped to [0, 1] after).
+        prob_map: optional non-decreasing map of raw to calibrated probabilities (float64 array
+            in, same shape out; e.g. :class:`scheduler.calibration.AcceptanceCalibration`),
+            applied to all rows' probabilities before ``calibration``.
 
     Returns:
         int64 ``[rows]``: leading draft tokens to keep per row.
@@ -84,6 +89,8 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
         return keep
     owner = np.repeat(np.arange(rows), lengths)
     probs = np.concatenate([np.asarray(p, np.float64) for p in path_probs])
+    if prob_map is not None:
+        probs = np.asarray(prob_map(probs), np.float64)
     probs = np.clip(probs * (cal[owner] if cal.ndim else cal), 0.0, 1.0)
     order = np.argsort(-probs, kind="stable")
     gain = rows + np.cumsum(probs[order])  # expected tokens with the top m+1 drafts

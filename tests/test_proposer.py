@@ -275,3 +275,28 @@ def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimate
     for _ in range(20):
         step(0.11, 8, 8)  # 16 tokens in 0.11 s: drafting pays
     assert low < prop._payoff_scale <= 1.0
+
+
+def test_verification_outcomes_fill_the_reliability_bins():
+    # b drafts a's continuation (4 tokens); the engine then accepts 2 of them (3 new tokens with
+    # the bonus token): the first two draft tokens count as accepted, the next two as rejected.
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    prompt, answer = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17]
+    eng.add("a", prompt)
+    eng.add("b", prompt)
+    eng.seqs["a"] += answer
+    eng.layout(["a", "b"])
+    prop.propose([[answer[-1]], []], eng.lens, eng.tokens)
+    eng.seqs["b"] += answer[:4]
+    eng.layout(["b", "a"])
+    drafts = prop.propose([answer[:4], [answer[-1]]], eng.lens, eng.tokens)
+    assert len(drafts[0]) == 4
+    assert prop.acceptance.trials.sum() == 0
+    eng.seqs["b"] += [answer[4], answer[5], 99]
+    eng.layout(["b", "a"])
+    prop.propose([[answer[4], answer[5], 99], [answer[-1]]], eng.lens, eng.tokens)
+    assert prop.acceptance.trials.sum() == pytest.approx(4.0)
+    assert prop.acceptance.accepted.sum() == pytest.approx(2.0)
+    table = prop.snapshot()["reliability"]
+    assert sum(r["trials"] for r in table) == pytest.approx(4.0)

@@ -26,7 +26,8 @@ Speculation budget (``additional_config['das']['budget']``), one of :data:`BUDGE
 - ``"fixed"``: up to K draft tokens per row whenever the drafter finds a match.
 - ``"cost"`` (default): keep only the draft tokens whose path probability pays for their
   verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
-  the drafter's probabilities calibrated online against the tokens actually accepted.
+  the drafter's probabilities calibrated online, per probability bin, against the tokens actually
+  accepted (:class:`scheduler.calibration.AcceptanceCalibration`; ``snapshot()["reliability"]``).
 - ``"class"``: DAS's length classes (Long 16, Medium 4, Short 0 draft tokens, capped at K) from
   :class:`scheduler.predictor.LengthPredictor` (per-problem history + length so far).
 - ``"eq7"``: DAS Eq. 7 budgets from the predicted remaining length, per-request acceptance
@@ -53,6 +54,7 @@ import numpy as np
 from das.drafter import DASDrafter
 from das.suffix_tree import Draft
 from integrations.vllm_ext import fixes as vllm_fixes
+from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
 from scheduler.regime_cost import TwoRegimeCost
 from scheduler.step_policy import choose_drafts, drafting_can_pay
@@ -103,7 +105,8 @@ class _Req:
     accepted: int = 0  # draft tokens accepted so far
     steps: int = 0  # verification steps so far
     last_len: int = 0  # draft tokens offered last step
-    last_psum: float = 0.0  # sum of their path probabilities
+    last_psum: float = 0.0  # sum of their calibrated path probabilities
+    last_probs: np.ndarray | None = None  # their raw path probabilities (float32), for the reliability bins
     predicted: float = 0.0  # sum of path probabilities of all drafts offered (expected accepted)
     tracked: bool = True  # False: bad options, the request is not in the drafter and never drafts
 
@@ -212,7 +215,11 @@ class DASProposer:
         self._reqs: dict[str, _Req] = {}  # live request id -> its bookkeeping
         self._last_start: float | None = None
         self._interval_ema: float | None = None  # seconds per clean step, to drop idle gaps from the fit
-        self._accepted = self._predicted = 0.0  # decayed sums for probability calibration
+        self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
+        # Per-probability-bin acceptance factors from verification outcomes: the drafter's high
+        # path probabilities are nearly right, its low ones 2x too high (replay: 0.94 -> 0.83,
+        # 0.35 -> 0.18), which one scalar factor cannot express.
+        self.acceptance = AcceptanceCalibration()
         # Realized payoff of drafting, as a factor on every acceptance probability: drafting
         # steps that yield fewer tokens per second than the fitted plain step would shrink it,
         # paying ones grow it back (at most 1). It guards "never slower" against a cost fit or
@@ -272,6 +279,7 @@ class DASProposer:
         step_tokens = context_tokens = 0  # tokens in the forward pass that just ran, KV tokens it read
         step_accepted = 0  # draft tokens the forward pass that just ran accepted
         grown_rows, grown_from, grown_to = [], [], []  # rows whose verified tokens go to the drafter
+        verified_probs, verified_accepted = [], []  # last step's drafts and how many of each were accepted
         for row, sampled in enumerate(sampled_token_ids):
             req_id = batch.req_ids[row]
             num_tokens = int(num_tokens_no_spec[row])
@@ -285,6 +293,9 @@ class DASProposer:
             if num_tokens > req.seen:  # verified tokens since last step (more after a preemption)
                 gained = num_tokens - req.seen
                 if req.last_len and gained <= req.last_len + 1:
+                    if req.last_probs is not None:
+                        verified_probs.append(req.last_probs)
+                        verified_accepted.append(gained - 1)
                     req.accepted += gained - 1
                     req.predicted += req.last_psum
                     self._accepted = 0.99 * self._accepted + (gained - 1)
@@ -308,6 +319,10 @@ class DASProposer:
             aligned = grown_rows[-1] == len(grown_rows) - 1
             tokens = token_ids_cpu if aligned else token_ids_cpu[grown_rows, : int(ends.max())]
             drafter.add_tokens_batch([batch.req_ids[r] for r in grown_rows], tokens, np.array(grown_from, np.int64), ends)
+        if verified_probs:
+            lens = np.fromiter((len(p) for p in verified_probs), np.int64, len(verified_probs))
+            position = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
+            self.acceptance.observe(np.concatenate(verified_probs), position < np.repeat(np.array(verified_accepted), lens))
         self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted)
         budgets = np.minimum(budgets, self._request_caps(reqs))
         prices = cal = None
@@ -324,7 +339,9 @@ class DASProposer:
             req = reqs[row]
             n = 0 if draft is None else (len(draft.tokens) if keep is None else int(keep[row]))
             if req is not None:
-                req.last_len, req.last_psum = n, (float(draft.probs[:n].sum()) if n else 0.0)
+                req.last_len = n
+                req.last_probs = draft.probs[:n] if n else None
+                req.last_psum = float(self.acceptance(draft.probs[:n]).sum()) if n else 0.0
                 req.drafted += n
             self._last_drafted += n
             if n == 0:
@@ -430,6 +447,9 @@ class DASProposer:
     def _calibration(self) -> float:
         """Accepted / predicted draft tokens over recent steps, with a prior of 4 tokens at 1.0.
 
+        Predicted with the per-bin calibrated probabilities (:attr:`acceptance`), so this is
+        what the bins miss (near 1.0 once they have evidence).
+
         The prior keeps a run of rejected drafts (say, a junk warm-up request) from pricing every
         later draft at zero, which would stop drafting, and with it the evidence, for good.
         """
@@ -460,7 +480,7 @@ class DASProposer:
         if prices is None:
             # Warm-up: alternate plain and drafting steps until both regimes are measured.
             return self.regimes.n_plain >= self.regimes.min_plain or self.stats.steps % 2 == 1
-        best = min(1.0, float(cal.max()))
+        best = min(1.0, float(cal.max()) * float(self.acceptance.curve()[1][-1]))  # the likeliest a draft token can be
         return drafting_can_pay(rows, int(budgets.sum()), *prices, best)
 
     def _prices(self, rows: int) -> tuple[float, float, float] | None:
@@ -494,7 +514,7 @@ class DASProposer:
             self._exploring = False
             return _likeliest_rows(probs, per_row=1, total=max(1, len(probs) // 8))
         self.stats.fitted_steps += 1
-        return choose_drafts(probs, *prices, cal)
+        return choose_drafts(probs, *prices, cal, prob_map=self.acceptance)
 
     def _release_finished(self, requests: dict) -> None:
         # A finished request leaves the runner's request table (a preempted one stays); its
@@ -524,5 +544,6 @@ class DASProposer:
     def snapshot(self) -> dict[str, Any]:
         """Proposer counters plus drafter memory statistics."""
         cost = {"cost_model": self.cost.coefficients(), "cost_samples": self.cost.n_samples, "budget": self.budget,
-                "calibration": self._calibration(), "payoff_scale": self._payoff_scale, "step_cost": self.regimes.coefficients()}
+                "calibration": self._calibration(), "payoff_scale": self._payoff_scale, "step_cost": self.regimes.coefficients(),
+                "reliability": self.acceptance.table()}
         return {**self.stats.as_dict(), **cost, **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}
