@@ -8,7 +8,7 @@ requests between GPUs at common time boundaries (:mod:`benchmarks._sim_place`).
 One engine step (vLLM V1-like; all requests arrive at time 0):
 
 Re-planning: static policies at every event; dynamic ones every ``replan_every`` steps, and
-at events (a finish, an admission, a preemption) only when they ask for it (``das`` while its
+at events (a finish, an admission, a preemption) only when they ask for it (``class-eq9`` while its
 batch gate is closed, so that it opens at the step the batch falls to the gate). A row admitted
 between re-plans keeps cap 0 until the next one.
 

@@ -6,16 +6,19 @@ priority order (``Gpu.order``, highest first), and declares how the engine spend
 ``kv_aware`` (drafts never force a preemption), ``quota_mode`` / ``quota`` (draft tokens per step:
 0 unlimited, 1 fixed, 2 the roofline knee) and ``gate`` (no drafts while more rows run; -1: none).
 
+Names and one-line summaries are those of :mod:`scheduler.budgets` (the budgets that run in the
+simulator; the former names ``unlimited``, ``das`` and ``das-roofline`` are refused with the new one):
+
 * ``none``: no speculation.
-* ``unlimited``: K drafts for every row in every step (the paper's "unlimited draft budget").
-* ``das``: DAS's deployed class policy as published (../shared/REFERENCES.md): three length classes
+* ``fixed``: K drafts for every row in every step (the paper's "unlimited draft budget").
+* ``class-eq9``: DAS's deployed class policy as published (../shared/REFERENCES.md): three length classes
   from the predictor (Short never drafts); Long and Medium budgets from Eq. 7 with ``N_fwd`` from
   Eq. 9 (per class: every request of a class planned at the class's mean predicted remaining
   length and mean estimated acceptance; Eq. 1 constants fitted offline to the step-cost model, as
   the paper fits them offline); a per-step quota of 160 draft tokens spent Long first, then by
   predicted remaining length; drafting only while at most 64 requests run (quota and gate: the
   authors' public fork of arctic-inference).
-* ``das-roofline`` (ours, not the paper's): every row may draft up to K (the drafter's own stopping
+* ``class-roofline`` (ours, not the paper's): every row may draft up to K (the drafter's own stopping
   rule decides how many it proposes), but a step verifies at most as many draft tokens as fit
   under its roofline knee (the draft tokens it can verify before its compute time reaches its
   memory time, :meth:`Roofline.free_draft_tokens`), spent in DAS's class order (Long, Medium,
@@ -38,11 +41,11 @@ import math
 
 import numpy as np
 
-from scheduler import CostModel, LengthPredictor, SpeculationScheduler, estimate_acceptance, optimal_proposals, solve_n_fwd
+from scheduler import CostModel, LengthPredictor, SpeculationScheduler, budgets, estimate_acceptance, optimal_proposals, solve_n_fwd
 from scheduler.acceptance import DEFAULT_A, DEFAULT_K
 from scheduler.predictor import LONG, MEDIUM, SHORT
 
-POLICIES = ("none", "unlimited", "das", "das-roofline", "eq7")
+POLICIES = budgets.names("simulator")  # none, fixed, class-eq9, class-roofline, eq7
 DAS_QUOTA = 160  # draft tokens per engine step (the authors' public fork)
 DAS_GATE = 64  # draft only with at most this many running requests (the same fork)
 
@@ -65,7 +68,7 @@ class Policy:
 
 
 class Unlimited(Policy):
-    name = "unlimited"
+    name = "fixed"
     spec_on = True
 
     def __init__(self, max_draft: int, *, kv_aware: bool = True):
@@ -130,7 +133,7 @@ class DasClass(Policy):
         quota: float = DAS_QUOTA,
         gate: int = DAS_GATE,
         kv_aware: bool = True,
-        name: str = "das",
+        name: str = "class-eq9",
     ):
         self.pred = predictor
         self.max_draft = int(max_draft)
@@ -160,9 +163,9 @@ class DasClass(Policy):
 
 
 class RooflinePriority(Policy):
-    """``das-roofline`` (module doc)."""
+    """``class-roofline`` (module doc)."""
 
-    name = "das-roofline"
+    name = "class-roofline"
     dynamic = True
     spec_on = True
     quota_mode = 2
@@ -213,13 +216,14 @@ class Eq7(Policy):
 
 def make_policy(name: str, predictor: LengthPredictor, max_draft: int, linear_cost: dict, *, seed: int = 0, kv_aware: bool = True) -> Policy:
     """A fresh per-GPU policy. ``linear_cost``: the offline Eq. 1 fit (``c_base``, ``c_tok``)."""
+    name = budgets.resolve(name, "simulator")
     if name == "none":
         return Policy()
-    if name == "unlimited":
+    if name == "fixed":
         return Unlimited(max_draft, kv_aware=kv_aware)
-    if name == "das":
+    if name == "class-eq9":
         return DasClass(predictor, max_draft, linear_cost["c_base"], linear_cost["c_tok"], kv_aware=kv_aware)
-    if name == "das-roofline":
+    if name == "class-roofline":
         return RooflinePriority(predictor, max_draft, kv_aware=kv_aware)
     if name == "eq7":
         return Eq7(predictor, max_draft, seed=seed, kv_aware=kv_aware)

@@ -3,8 +3,8 @@
 For every point (``n_gpus``, ``per_gpu``) one iteration of ``n_gpus * per_gpu`` rollouts (groups of
 16 samples, fewer when there are fewer rollouts) is drawn from the same length and acceptance
 models as the paper setting, placed with ``split`` (siblings dealt over the GPUs: with fewer than
-16 rollouts per GPU a group cannot sit on one GPU anyway) and run under ``none``, ``unlimited``
-and ``das-roofline``, with the drafter's CPU time (``drafter_ms_per_256`` per step at 256 rows,
+16 rollouts per GPU a group cannot sit on one GPU anyway) and run under ``none``, ``fixed``
+and ``class-roofline``, with the drafter's CPU time (``drafter_ms_per_256`` per step at 256 rows,
 linear in rows) on every speculative step.
 
 Pruning: a GPU's makespan depends only on its own requests (no rebalancing here), and the
@@ -33,7 +33,7 @@ from benchmarks._sim_workload import AcceptanceModel, LengthModel, prompt_length
 
 SWEEP_GPUS = (8, 32, 128, 512, 2048)
 SWEEP_PER_GPU = (1, 4, 16, 64)
-SWEEP_POLICIES = ("none", "unlimited", "das-roofline")
+SWEEP_POLICIES = ("none", "fixed", "class-roofline")
 
 
 def _workload(n_gpus: int, per_gpu: int, am: AcceptanceModel, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -168,7 +168,7 @@ def run_sweep(params: EngineParams, linear: dict, am: AcceptanceModel, *, seeds:
                 row[f"{pol}_breakeven_drafter_ms_per_256"] = ci95(be)[0]
                 row[f"{pol}_drafter_share"] = float(np.mean([x[pol]["critical_rows_sum_per_256"] * 1e-3 * x0 / x[pol]["makespan_s"] for x in runs]))
             points.append(row)
-            print(f"  sweep {n_g:5d} GPUs x {r:3d}/GPU: none {row['none_s']:6.1f} s, das-roofline cut {100 * row['das-roofline_cut']:5.1f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
+            print(f"  sweep {n_g:5d} GPUs x {r:3d}/GPU: none {row['none_s']:6.1f} s, class-roofline cut {100 * row['class-roofline_cut']:5.1f}% ({time.perf_counter() - t0:.0f} s)", flush=True)
     check = pruning_check(params, linear, am, max_tokens=max_tokens)
     out = {"points": points, "pruning_check": check, "seeds": seeds, "drafter_ms_per_256": x0, "placement": "split", "wall_s": time.perf_counter() - t0}
     if plot_path is not None:
@@ -187,15 +187,15 @@ def pruning_check(params: EngineParams, linear: dict, am: AcceptanceModel, *, ma
 def print_sweep(sw: dict) -> None:
     print(
         f"sweep (placement split, {sw['seeds']} seeds, drafter {sw['drafter_ms_per_256']} ms/step at 256 rows): makespan s, cut vs none, "
-        "break-even drafter ms/step at 256 rows, drafter share of das-roofline's makespan"
+        "break-even drafter ms/step at 256 rows, drafter share of class-roofline's makespan"
     )
-    print(f"{'GPUs':>6}{'per GPU':>8}{'none s':>14}{'unlimited':>18}{'das-roofline':>20}{'break-even ms':>15}{'drafter share':>15}")
+    print(f"{'GPUs':>6}{'per GPU':>8}{'none s':>14}{'fixed':>18}{'class-roofline':>20}{'break-even ms':>15}{'drafter share':>15}")
     for r in sw["points"]:
         print(
             f"{r['gpus']:>6}{r['per_gpu']:>8}{r['none_s']:>8.1f}+-{r['none_s_ci95']:<4.1f}"
-            f"{100 * r['unlimited_cut']:>11.1f}+-{100 * r['unlimited_cut_ci95']:<4.1f}%"
-            f"{100 * r['das-roofline_cut']:>13.1f}+-{100 * r['das-roofline_cut_ci95']:<4.1f}%"
-            f"{r['das-roofline_breakeven_drafter_ms_per_256']:>15.0f}{100 * r['das-roofline_drafter_share']:>14.2f}%"
+            f"{100 * r['fixed_cut']:>11.1f}+-{100 * r['fixed_cut_ci95']:<4.1f}%"
+            f"{100 * r['class-roofline_cut']:>13.1f}+-{100 * r['class-roofline_cut_ci95']:<4.1f}%"
+            f"{r['class-roofline_breakeven_drafter_ms_per_256']:>15.0f}{100 * r['class-roofline_drafter_share']:>14.2f}%"
         )
     c = sw["pruning_check"]
     print(f"pruning check ({c['gpus']} GPUs x {c['per_gpu']}): " + ", ".join(f"{p} {c[p]['pruned_s']:.1f} vs {c[p]['all_gpus_s']:.1f} s" for p in SWEEP_POLICIES))
@@ -214,15 +214,15 @@ def plot_sweep(points: list[dict], path: Path) -> Path | None:
         col = colors[j % len(colors)]
         pts = sorted((p for p in points if p["per_gpu"] == r), key=lambda p: p["gpus"])
         x = [p["gpus"] for p in pts]
-        ax[0].errorbar(x, [100 * p["das-roofline_cut"] for p in pts], yerr=[100 * p["das-roofline_cut_ci95"] for p in pts], marker="o", capsize=3, color=col, label=f"{r} rollouts/GPU")
+        ax[0].errorbar(x, [100 * p["class-roofline_cut"] for p in pts], yerr=[100 * p["class-roofline_cut_ci95"] for p in pts], marker="o", capsize=3, color=col, label=f"{r} rollouts/GPU")
         ax[1].errorbar(x, [p["none_s"] for p in pts], yerr=[p["none_s_ci95"] for p in pts], marker="o", capsize=3, color=col, label=f"none, {r}/GPU")
-        ax[1].errorbar(x, [p["das-roofline_s"] for p in pts], yerr=[p["das-roofline_s_ci95"] for p in pts], marker="s", ls="--", capsize=3, color=col, label=f"das-roofline, {r}/GPU")
-        ax[2].plot(x, [p["das-roofline_breakeven_drafter_ms_per_256"] for p in pts], marker="o", color=col, label=f"{r} rollouts/GPU")
+        ax[1].errorbar(x, [p["class-roofline_s"] for p in pts], yerr=[p["class-roofline_s_ci95"] for p in pts], marker="s", ls="--", capsize=3, color=col, label=f"class-roofline, {r}/GPU")
+        ax[2].plot(x, [p["class-roofline_breakeven_drafter_ms_per_256"] for p in pts], marker="o", color=col, label=f"{r} rollouts/GPU")
     for a in ax:
         a.set_xscale("log", base=2)
         a.set_xlabel("GPUs")
     ax[0].set_ylabel("makespan cut vs none (%), 95% interval")
-    ax[0].set_title("das-roofline cut (placement split)")
+    ax[0].set_title("class-roofline cut (placement split)")
     ax[0].legend(fontsize=8)
     ax[1].set_ylabel("makespan (s)")
     ax[1].set_title("makespan")

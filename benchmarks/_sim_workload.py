@@ -301,7 +301,7 @@ class AcceptanceModel:
       tokens than K: outside loops ``natural_draft`` = 3.7 tokens per step (measured: the replay of
       the SmolLM2 trace at K = 16 drafted 2.98 tokens per accepted one at 2.237 tokens per step,
       i.e. 3.69 per step, and the same at K = 32), inside a loop all K. A budget ``c`` per step
-      then yields ``min(c, natural)`` drafts; "unlimited" means no budget, not K every step.
+      then yields ``min(c, natural)`` drafts; "fixed" (no budget) means up to K, not K every step.
 
     Position in the rollout matters only through the loop onset (and the siblings finishing over
     time); no other drift of acceptance along a rollout is modelled.

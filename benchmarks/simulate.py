@@ -12,8 +12,9 @@ workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
 * Workload (:mod:`benchmarks._sim_workload`): long-tail lengths with repetition loops to the cap;
   acceptance that depends on the request's state (base Eq. 3 parameters, finished siblings on the
   same engine, loops).
-* Policies (:mod:`benchmarks._sim_policy`): ``none``, ``unlimited``, ``das`` (the published class
-  policy), ``das-roofline`` (ours), ``eq7`` (the project's scheduler); all speculative ones
+* Policies (:mod:`benchmarks._sim_policy`, named as in :mod:`scheduler.budgets`): ``none``, ``fixed``
+  (the paper's unlimited draft budget), ``class-eq9`` (the published class policy), ``class-roofline``
+  (ours), ``eq7`` (the project's scheduler); all speculative ones
   KV-aware.
 * Placements (:mod:`benchmarks._sim_place`): ``none``, ``lpt``, ``split``, ``rebalance``.
 
@@ -40,10 +41,10 @@ from benchmarks._sim_engine import DONE, EngineParams, Requests
 from benchmarks._sim_place import PLACEMENTS, assign, run_cluster
 from benchmarks._sim_policy import DAS_GATE, DAS_QUOTA, POLICIES, make_policy
 from benchmarks._sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
-from scheduler import LengthPredictor
+from scheduler import LengthPredictor, budgets
 
 REPO = Path(__file__).resolve().parents[1]
-LENGTH_AWARE = ("das", "das-roofline", "eq7")
+LENGTH_AWARE = ("class-eq9", "class-roofline", "eq7")
 
 # two-sided 95% quantiles of Student's t, df = 1..30
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -321,7 +322,7 @@ def plot_validation(table: dict, curves: dict, accept: dict, path: Path, title: 
     a.set_title("makespan per policy  [paper Fig. 8]")
     a.legend(fontsize=8)
     a = ax[1, 0]
-    names = [n for n in ("unlimited", "das", "das-roofline", "eq7") if n in table]
+    names = [n for n in ("fixed", "class-eq9", "class-roofline", "eq7") if n in table]
     for j, pl in enumerate(("none", "split")):
         nm = [n if pl == "none" else f"{n}+{pl}" for n in names]
         m = [table[n]["makespan_s"] if n in table else np.nan for n in nm]
@@ -329,7 +330,7 @@ def plot_validation(table: dict, curves: dict, accept: dict, path: Path, title: 
         a.bar(np.arange(len(names)) + (j - 0.5) * 0.4, m, 0.4, yerr=e, capsize=3, label=f"placement {pl}")
     a.set_xticks(np.arange(len(names)), names)
     a.set_ylabel("makespan (s)")
-    a.set_title("unlimited vs length-aware drafting  [paper Fig. 10]")
+    a.set_title("fixed (unlimited budget) vs length-aware drafting  [paper Fig. 10]")
     a.legend(fontsize=8)
     a = ax[1, 1]
     x = np.asarray(accept["position_tokens"]) / 1000
@@ -337,7 +338,7 @@ def plot_validation(table: dict, curves: dict, accept: dict, path: Path, title: 
     a.plot(x, accept["tokens_per_step_in_loops"], "s-", label="in repetition loops")
     a.plot(x, accept["tokens_per_step_all_rows"], "k^--", label="all rows")
     a.set_xlabel("position in the rollout (K tokens)")
-    a.set_ylabel("tokens per step, unlimited (drafter's own length; K in loops)")
+    a.set_ylabel("tokens per step, fixed (drafter's own length; K in loops)")
     a2 = a.twinx()
     a2.bar(x, accept["share_of_steps_in_loops"], width=0.6, alpha=0.2, color="gray")
     a2.set_ylabel("share of steps in loops (bars)")
@@ -400,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--loop-accept", type=float, default=AcceptanceModel.loop_accept, help="per-token acceptance inside repetition loops")
     ap.add_argument("--sibling-gain", type=float, default=AcceptanceModel.sibling_gain, help="capacity gain once all siblings on the engine finished")
     ap.add_argument("--additive-cost", action="store_true", help="step cost compute + memory instead of max (the old model)")
-    ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, das without its batch gate, das-roofline with it, and the KV-tight setting")
+    ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, class-eq9 without its batch gate, class-roofline with it, and the KV-tight setting")
     ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best policy)")
     ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
     ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
@@ -416,8 +417,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     policies = [p for p in args.policies.split(",") if p]
     placements = [p for p in args.placements.split(",") if p]
     for p in policies:
-        if p not in POLICIES:
-            raise SystemExit(f"unknown policy {p!r}; expected {POLICIES}")
+        try:
+            budgets.resolve(p, "simulator")
+        except ValueError as exc:
+            raise SystemExit(f"--policies: {exc}") from None
     for p in placements:
         if p not in PLACEMENTS:
             raise SystemExit(f"unknown placement {p!r}; expected {PLACEMENTS}")
@@ -465,7 +468,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     key = "trace_setting" if args.trace else "paper_setting"
     configs = [(p, pl) for pl in placements for p in policies]
     if args.extras:
-        configs += [("eq7", "none", False), ("das", "none", True, "gate-flip"), ("das-roofline", "none", True, "gate-flip")]
+        configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)
@@ -480,11 +483,11 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             pol, pl = cfg[0], cfg[1]
             kv = cfg[2] if len(cfg) > 2 else True
             variant = cfg[3] if len(cfg) > 3 else ""
-            name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if pol == "das" else " (gate 64)") if variant == "gate-flip" else "")
-            gate = (-1 if pol == "das" else DAS_GATE) if variant == "gate-flip" else None
+            name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if pol == "class-eq9" else " (gate 64)") if variant == "gate-flip" else "")
+            gate = (-1 if pol == "class-eq9" else DAS_GATE) if variant == "gate-flip" else None
             r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate)
             per_seed.setdefault(name, []).append(r)
-            if pol == "unlimited" and pl == "none":
+            if pol == "fixed" and pl == "none":
                 stats_pos += r["_stats_pos"]
                 stats_sib += r["_stats_sib"][: args.samples]
             if "_curves" in r:
@@ -501,10 +504,10 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     la_none = [p for p in LENGTH_AWARE if p in table]
     best_none = min(la_none, key=lambda n: table[n]["makespan_s"]) if la_none else None
     fig1 = {name: collapse_stats(c["curves"], n_p * n_s, c["makespan"]) for name, c in curves.items() if name in ("none", best_none)}
-    accept = acceptance_profile(stats_pos, stats_sib, args.max_tokens) if "unlimited" in policies else {}
+    accept = acceptance_profile(stats_pos, stats_sib, args.max_tokens) if "fixed" in policies else {}
     fig10 = {}
     for pl in placements:
-        u = config_name("unlimited", pl)
+        u = config_name("fixed", pl)
         cands = [config_name(p, pl) for p in LENGTH_AWARE if config_name(p, pl) in table]
         if u in table and cands:
             b = min(cands, key=lambda n: table[n]["makespan_s"])
@@ -519,7 +522,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     }
     plot_path = None
     if args.plot and args.plot.lower() != "none" and curves and accept:
-        show = {n: c for n, c in curves.items() if n in ("none", "unlimited", "das", best_none)}
+        show = {n: c for n, c in curves.items() if n in ("none", "fixed", "class-eq9", best_none)}
         plot_path = plot_validation(table, show, accept, Path(args.plot), f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {args.max_tokens} tokens, K={args.max_draft}, {args.seeds} seeds")
 
     ls = length_stats(lengths, args.max_tokens)
@@ -556,7 +559,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     if args.extras and not args.trace:
         out["kv_tight"] = run_kv_tight(args, params, linear, am)
     if args.ablations and not args.trace:
-        out["ablations"] = run_ablations(args, params, linear, am, best or "das")
+        out["ablations"] = run_ablations(args, params, linear, am, best or "class-eq9")
     return out
 
 
@@ -588,7 +591,7 @@ def print_table(out: dict, key: str, policies, placements, args) -> None:
         f"64,0,8K {ex['rows64_d0_ctx8000']:.1f}; 64,16,8K {ex['rows64_d16_ctx8000']:.1f}; 1,0,12K {ex['rows1_d0_ctx12000']:.2f}; 1,16,12K {ex['rows1_d16_ctx12000']:.2f}; "
         f"free draft tokens (knee): 256 rows x 3K {ex['knee_draft_tokens_rows256_ctx3000']:.0f}, 64 x 8K {ex['knee_draft_tokens_rows64_ctx8000']:.0f}, 4 x 12K {ex['knee_draft_tokens_rows4_ctx12000']:.0f}"
     )
-    print(f"Eq. 1 fitted offline to it (das): c_base {1e3 * lin['c_base']:.2f} ms, c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
+    print(f"Eq. 1 fitted offline to it (class-eq9): c_base {1e3 * lin['c_base']:.2f} ms, c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
     w = 24
     print("makespan s, mean +- 95% interval (cut vs none, placement none)")
     print(f"{'policy':<16}" + "".join(f"{'placement ' + pl:>{w}}" for pl in placements))
@@ -629,7 +632,7 @@ def print_table(out: dict, key: str, policies, placements, args) -> None:
     acc = v["fig4_acceptance"]["simulator"]
     if acc:
         print(
-            f"validation Fig. 4 (unlimited, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, in loops {acc['overall_tokens_per_step_in_loops']:.2f}; "
+            f"validation Fig. 4 (fixed, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, in loops {acc['overall_tokens_per_step_in_loops']:.2f}; "
             "by finished siblings on the engine ("
             + ", ".join(f"{c}: {x:.2f}" for c, x in enumerate(acc["tokens_per_step_by_finished_siblings"]) if c % 5 == 0 or c == len(acc["tokens_per_step_by_finished_siblings"]) - 1)
             + "); all rows by position (K tokens): "
@@ -641,12 +644,12 @@ def print_table(out: dict, key: str, policies, placements, args) -> None:
 
 def run_kv_tight(args, params: EngineParams, linear: dict, am: AcceptanceModel, utilization: float = 0.5) -> dict[str, Any]:
     """The KV-capacity rule where memory is tight: verl's default rollout memory fraction (0.5)
-    leaves ~431K tokens of KV per GPU; ``unlimited`` and ``eq7`` with and without KV-aware drafts."""
+    leaves ~431K tokens of KV per GPU; ``fixed`` and ``eq7`` with and without KV-aware drafts."""
     from dataclasses import replace
 
     roof = h100_7b_roofline(launch_s=params.roof.launch_s, gpu_memory_utilization=utilization)
     pp = replace(params, roof=roof)
-    rows = [("none", True), ("unlimited", True), ("unlimited", False), ("eq7", True), ("eq7", False), ("das-roofline", True)]
+    rows = [("none", True), ("fixed", True), ("fixed", False), ("eq7", True), ("eq7", False), ("class-roofline", True)]
     res: dict[str, dict[str, list[float]]] = {}
     for seed in range(args.seeds):
         work = synthetic_workload(n_prompts=args.prompts, n_samples=args.samples, max_tokens=args.max_tokens, acceptance_model=am, seed=seed)
@@ -666,7 +669,7 @@ def run_kv_tight(args, params: EngineParams, linear: dict, am: AcceptanceModel, 
 
 
 def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel, best: str) -> dict[str, Any]:
-    """``none``, ``unlimited`` and the best length-aware configuration under variations of the
+    """``none``, ``fixed`` and the best length-aware configuration under variations of the
     modelled effects (same seeds, the best configuration's placement for all three): which effect
     carries how much of the cut."""
     from dataclasses import replace
@@ -686,9 +689,9 @@ def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel,
     }
     out: dict[str, Any] = {"policy": best, "placement": pl, "seeds": args.seeds}
     print(f"ablations (placement {pl}, {args.seeds} seeds; cut vs none at that placement, mean +- 95% interval):")
-    print(f"  {'variant':<44}{'none s':>9}{'unlimited':>18}{pol:>20}")
+    print(f"  {'variant':<44}{'none s':>9}{'fixed':>18}{pol:>20}")
     for label, (pp, aa) in variants.items():
-        mk: dict[str, list[float]] = {"none": [], "unlimited": [], pol: []}
+        mk: dict[str, list[float]] = {"none": [], "fixed": [], pol: []}
         for seed in range(args.seeds):
             work = synthetic_workload(n_prompts=args.prompts, n_samples=args.samples, max_tokens=args.max_tokens, acceptance_model=aa, seed=seed)
             if label.startswith("no loops"):
@@ -702,13 +705,13 @@ def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel,
                 mk[p].append(run_config(work, fresh, p, pl, args.gpus, pp, linear, seed=seed)["makespan_s"])
         base = np.array(mk["none"])
         row: dict[str, Any] = {"none_s": ci95(base)[0], "none_s_ci95": ci95(base)[1]}
-        for p in ("unlimited", pol):
+        for p in ("fixed", pol):
             m = np.array(mk[p])
             row[f"{p}_s"] = ci95(m)[0]
             row[f"{p}_cut"], row[f"{p}_cut_ci95"] = ci95(1.0 - m / base)
         out[label] = row
         print(
-            f"  {label:<44}{row['none_s']:>9.1f}{row['unlimited_s']:>8.1f} ({100 * row['unlimited_cut']:+4.0f}+-{100 * row['unlimited_cut_ci95']:2.0f}%)"
+            f"  {label:<44}{row['none_s']:>9.1f}{row['fixed_s']:>8.1f} ({100 * row['fixed_cut']:+4.0f}+-{100 * row['fixed_cut_ci95']:2.0f}%)"
             f"{row[f'{pol}_s']:>9.1f} ({100 * row[f'{pol}_cut']:+4.0f}+-{100 * row[f'{pol}_cut_ci95']:2.0f}%)"
         )
     return out

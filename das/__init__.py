@@ -3,9 +3,11 @@
 * :class:`SuffixTree`: depth-bounded weighted suffix trie with frequency-based drafts.
 * :class:`DASDrafter`: per-problem, windowed, version-weighted drafter (start / add / speculate / stop),
   per row or for all rows of an engine step at once (:class:`DraftBatch`).
+* :class:`DASConfig`: the drafter and speculation-budget settings, their defaults and ranges (:mod:`das.config`).
 """
 
+from das.config import DASConfig
 from das.drafter import DASDrafter, DraftBatch, problem_id
 from das.suffix_tree import Draft, SuffixTree, empty_draft
 
-__all__ = ["DASDrafter", "Draft", "DraftBatch", "SuffixTree", "empty_draft", "problem_id"]
+__all__ = ["DASConfig", "DASDrafter", "Draft", "DraftBatch", "SuffixTree", "empty_draft", "problem_id"]

@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from das import _trie_kernels as K
+from das.config import DEFAULTS
 from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree, as_tokens, empty_draft
 
 _I32 = np.dtype(np.int32)
@@ -165,7 +166,7 @@ class _Request:
 class DASDrafter:
     """Per-problem windowed suffix-tree drafter (see the module docstring).
 
-    Args:
+    Args (defaults from :class:`das.config.DASConfig`, the one place they are written):
         window: int >= 1, policy versions kept per problem: after ``begin_iteration(v)`` only
             rollouts of versions ``>= v - window + 1`` remain. Default 16 (the paper found windows of
             16-32 iterations best; the smaller bounds memory and lookup cost).
@@ -196,14 +197,14 @@ class DASDrafter:
 
     def __init__(
         self,
-        window: int = 16,
-        decay: float = 0.9,
-        max_depth: int = 24,
-        max_spec_factor: float = 2.0,
-        min_token_prob: float = 0.2,
-        max_problems: int = 4096,
-        use_request_tree: bool = True,
-        prior: float = 0.3,
+        window: int = DEFAULTS.window,
+        decay: float = DEFAULTS.decay,
+        max_depth: int = DEFAULTS.max_depth,
+        max_spec_factor: float = DEFAULTS.max_spec_factor,
+        min_token_prob: float = DEFAULTS.min_token_prob,
+        max_problems: int = DEFAULTS.max_problems,
+        use_request_tree: bool = DEFAULTS.use_request_tree,
+        prior: float = DEFAULTS.prior,
     ):
         self.window = _int_arg(window, "window", 1)
         self.decay = _float_arg(decay, "decay", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)

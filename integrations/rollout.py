@@ -31,9 +31,13 @@ from typing import Any
 
 import numpy as np
 
+from das.config import DEFAULTS, DASConfig, das_config
+from integrations.data.problems import problem_source
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import METHODS, drop_unavailable
-from integrations.vllm_ext.proposer import BUDGETS
+from scheduler import budgets
+
+_FIELDS = DASConfig.model_fields
 
 _USER_KV = bool(os.environ.get("VLLM_CPU_KVCACHE_SPACE"))  # the user's own KV-cache size wins
 
@@ -77,11 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", default="none",
                    help="comma-separated methods run beside --method ('' for none), e.g. none,suffix,suffix-bs; 'das:<budget>' runs DAS with another --budget")
     p.add_argument("--num-spec-tokens", type=int, default=None, help="K for every speculative method (default: per method)")
-    p.add_argument("--window", type=int, default=16, help="DAS window: policy versions kept")
-    p.add_argument("--decay", type=float, default=0.9, help="DAS weight of a rollout one policy version older")
-    p.add_argument("--budget", default="cost", choices=BUDGETS,
-                   help="DAS speculation budget: 'cost' keeps drafts that pay for their verification under the online-fitted step-cost model; "
-                        "'fixed' drafts up to K whenever it can; 'class'/'eq7': DAS length-class / Eq. 7 budgets (integrations.vllm_ext.proposer)")
+    p.add_argument("--window", type=int, default=DEFAULTS.window, help=f"DAS window: {_FIELDS['window'].description} (default %(default)s)")
+    p.add_argument("--decay", type=float, default=DEFAULTS.decay, help=f"DAS decay: {_FIELDS['decay'].description} (default %(default)s)")
+    p.add_argument("--budget", default=DEFAULTS.budget, metavar="{" + ",".join(budgets.names("proposer")) + "}",
+                   help=f"DAS speculation budget (scheduler.budgets; default %(default)s): {budgets.describe('proposer')}")
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                    help="model dtype (default: decided from this CPU, see integrations.vllm_ext.cpu_runtime)")
     p.add_argument("--max-model-len", type=int, default=2048)
@@ -92,6 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     from integrations.results import check_output_path
 
+    if args.trace and not args.trace.lower().endswith(".parquet"):
+        p.error(f"--trace must be a .parquet path, got {args.trace!r}")
     for flag in ("json", "trace"):
         if getattr(args, flag):
             try:
@@ -103,24 +108,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
+    try:  # where the problems come from, checked without reading them
+        problem_source(args.data)
+    except (OSError, ValueError) as exc:
+        p.error(f"--data {args.data!r}: {exc}")
     methods = [args.method] + [m.strip() for m in args.compare.split(",") if m.strip() and m.strip() != args.method]
-    bad = [m for m in methods if m.split(":")[0] not in METHODS or (":" in m and (not m.startswith("das:") or m[4:] not in BUDGETS))]
+    bad = [m for m in methods if m.split(":")[0] not in METHODS or (":" in m and not m.startswith("das:"))]
     if bad:
-        p.error(f"--compare: unknown methods {bad}; expected some of {list(METHODS)} or das:<budget> with a budget in {list(BUDGETS)}")
+        p.error(f"--compare: unknown methods {bad}; expected some of {list(METHODS)} or das:<budget> with a budget in {list(budgets.names('proposer'))}")
+    for m in methods:
+        if m.startswith("das:"):
+            try:
+                budgets.resolve(m[4:], "proposer")
+            except ValueError as exc:
+                p.error(f"--compare {m}: {exc}")
     args.methods = methods
     if args.num_spec_tokens is not None and args.num_spec_tokens < 1:
         p.error(f"--num-spec-tokens must be >= 1, got {args.num_spec_tokens}")
-    if any(m.startswith("das") for m in methods):
-        from das.drafter import DASDrafter
-
-        try:  # the drafter's own checks, before any engine starts
-            DASDrafter(window=args.window, decay=args.decay)
-        except (ValueError, TypeError) as exc:
-            p.error(f"--window/--decay: {exc}")
+    try:  # the DAS settings' own schema, before any engine starts
+        das_config({"window": args.window, "decay": args.decay, "budget": args.budget}, name=lambda k: f"--{k.replace('_', '-')}")
+    except ValueError as exc:
+        p.error(str(exc))
     args.pool = args.pool or args.prompts
     if args.pool < args.prompts:
         p.error(f"--pool ({args.pool}) must be >= --prompts ({args.prompts})")
     return args
+
+
+def fit_to_problems(args: argparse.Namespace, num_problems: int) -> str | None:
+    """Cap ``--pool`` and ``--prompts`` at the number of problems in the data (before any engine loads).
+
+    Returns the warning to print when they were capped, else None.
+    """
+    if args.pool <= num_problems:
+        return None
+    asked = (args.prompts, args.pool)
+    args.pool = num_problems
+    args.prompts = min(args.prompts, num_problems)
+    return (f"das-rollout: warning: --prompts {asked[0]} / --pool {asked[1]} exceed the {num_problems} problems in the data: "
+            f"using --prompts {args.prompts} --pool {args.pool}")
 
 
 def iteration_prompts(num_problems: int, args: argparse.Namespace) -> list[list[int]]:
@@ -339,13 +365,14 @@ def main(argv: list[str] | None = None) -> int:
 
     args.methods = drop_unavailable(args.methods, "das-rollout")
     try:
-        model = resolve_model(args.model)
         problems = load_problems(args.data)
+        capped = fit_to_problems(args, len(problems))
+        if capped:
+            print(capped, file=sys.stderr)
+        model = resolve_model(args.model)
     except (OSError, ValueError, KeyError) as exc:
         print(f"das-rollout: error: {exc}", file=sys.stderr)
         return 2
-    if args.pool > len(problems):
-        print(f"das-rollout: --pool/--prompts {args.pool} > {len(problems)} problems in the data: using all {len(problems)}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model)
     schedule = iteration_prompts(len(problems), args)
     used = sorted({i for chosen in schedule for i in chosen})

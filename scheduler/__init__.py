@@ -6,6 +6,8 @@
 * :mod:`scheduler.cost_model`: :class:`CostModel`, ``t_step = c_base + c_tok * n_tokens`` fitted
   online (Eq. 1).
 * :mod:`scheduler.budget`: :class:`ClassBudget`, :class:`Eq7Budget` (Eq. 7 / Eq. 9), per-step caps.
+* :mod:`scheduler.budgets`: the registry of speculation budgets (one name per policy, where it runs),
+  shared by the proposer, the scheduler, the CLIs, the recipes and the simulator.
 * :mod:`scheduler.speculation`: :class:`SpeculationScheduler`, the one object a proposer calls
   per step; :func:`static_budgets`, per-problem budgets for ``SamplingParams.extra_args``.
 * :mod:`scheduler.interleave`: :func:`assign_groups`: groups to data-parallel workers (LPT).

@@ -2,7 +2,7 @@
 
 :class:`SpeculationScheduler` turns per-row facts the proposer has (problem, tokens generated,
 draft tokens offered and accepted so far, steps) into one int draft cap per row, under one of
-the policies ``none`` (0), ``unlimited`` (``max_draft``), ``class`` (:class:`ClassBudget` on the
+the budgets of :mod:`scheduler.budgets` that run here: ``none`` (0), ``fixed`` (``max_draft``), ``class`` (:class:`ClassBudget` on the
 predictor's run-time class) or ``eq7`` (:class:`Eq7Budget` on the predictor's expected remaining
 length, :func:`estimate_acceptance` and the online :class:`CostModel`), and learns the cost model
 from measured step times (:meth:`SpeculationScheduler.observe_step`).
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from scheduler import budgets
 from scheduler.acceptance import DEFAULT_A, DEFAULT_K, estimate_acceptance
 from scheduler.budget import ClassBudget, Eq7Budget
 from scheduler.cost_model import CostModel
@@ -23,14 +24,21 @@ from scheduler.predictor import LengthPredictor
 
 __all__ = ["POLICIES", "SpeculationScheduler", "static_budgets"]
 
-POLICIES = ("none", "unlimited", "class", "eq7")
+POLICIES = budgets.names("scheduler")  # none, fixed, class, eq7
+
+
+def _check_policy(policy: str) -> str:
+    try:
+        return budgets.resolve(policy, "scheduler")
+    except ValueError as exc:
+        raise ValueError(f"policy: {exc}") from None
 
 
 class SpeculationScheduler:
     """Per-step speculation caps for a batch of running requests.
 
     Args:
-        policy: one of :data:`POLICIES`.
+        policy: one of :data:`POLICIES` (a former name, e.g. ``unlimited``, is refused with the new one).
         max_draft: the proposer's K (most draft tokens per row and step).
         predictor: a :class:`LengthPredictor` with history (required by ``class`` and ``eq7``).
         cost: a :class:`CostModel` (``eq7``; default: an unfitted ``CostModel()``, so ``eq7``
@@ -60,8 +68,7 @@ class SpeculationScheduler:
         step_rule: bool = True,
         seed: int | None = 0,
     ):
-        if policy not in POLICIES:
-            raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        policy = _check_policy(policy)
         if policy in ("class", "eq7") and predictor is None:
             raise ValueError(f"policy {policy!r} needs a LengthPredictor (predictor=...)")
         if not isinstance(max_draft, (int, np.integer)) or max_draft < 0:
@@ -111,7 +118,7 @@ class SpeculationScheduler:
         b = g.shape[0] if g.ndim else 0
         if self.policy == "none" or b == 0:
             return np.zeros(b, np.int32)
-        if self.policy == "unlimited":
+        if self.policy == "fixed":
             return np.full(b, self.max_draft, np.int32)
         idx = np.asarray(problem_idx, np.int64)
         if self.policy == "class":
@@ -153,22 +160,21 @@ def static_budgets(
     ``class``: the budget of the problem's initial class. ``eq7``: the Eq. 7 rate planned at the
     start of the iteration over every request (``samples_per_problem`` per problem, predicted
     length = the problem's expected length, prior acceptance), rounded up; needs a ready ``cost``
-    (else all 0). ``none`` / ``unlimited``: 0 / ``max_draft``. The per-step
+    (else all 0). ``none`` / ``fixed``: 0 / ``max_draft``. The per-step
     :class:`SpeculationScheduler` is better where the proposer can call it; this is the fallback
     when budgets can only ride on the requests.
 
     Returns:
         int32 ``[len(problem_ids)]`` draft tokens per step.
     """
-    if policy not in POLICIES:
-        raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+    policy = _check_policy(policy)
     if not isinstance(samples_per_problem, (int, np.integer)) or samples_per_problem < 1:
         raise ValueError(f"samples_per_problem must be an int >= 1, got {samples_per_problem!r}")
     idx = predictor.index(list(problem_ids))
     n = idx.size
     if policy == "none":
         return np.zeros(n, np.int32)
-    if policy == "unlimited":
+    if policy == "fixed":
         return np.full(n, max_draft, np.int32)
     if policy == "class":
         cb = class_budget or ClassBudget(long=min(16, max_draft), medium=min(4, max_draft))

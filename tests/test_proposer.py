@@ -139,6 +139,8 @@ def test_failure_gives_empty_drafts_and_is_counted(caplog):
 
 
 def test_bad_additional_config_names_the_key():
+    with pytest.raises(ValueError, match=r"additional_config\['das'\]\['window'\] must be an int >= 1, got 0"):
+        das_section({"das": {"window": 0}})
     with pytest.raises(ValueError, match="bogus"):
         das_section({"das": {"bogus": 1}})
     with pytest.raises(ValueError, match="budget"):

@@ -49,14 +49,16 @@ def test_recipe_overrides_and_errors():
         load_recipe(None, ["steps"])
     with pytest.raises(FileNotFoundError):
         load_recipe("no_such_recipe")
-    assert load_recipe(None).speculative.das == {"window": 16, "decay": 0.9, "budget": "cost"}
+    assert load_recipe(None).speculative.das == {"window": 16, "decay": 0.9, "budget": "cost"}  # das.config.DEFAULTS, SHOWN_KEYS
 
 
 @pytest.mark.parametrize("override,match", [
     ("reward.code_timeout_s=0", r"reward\.code_timeout_s must be a number of seconds in \(0, 3600\], got 0"),
     ("reward.code_timeout_s=abc", r"reward\.code_timeout_s"),
-    ("speculative.das.window=-1", r"speculative\.das: window must be >= 1"),
-    ("speculative.das.decay=2", r"speculative\.das: decay"),
+    ("speculative.das.window=-1", r"speculative\.das\.window must be an int >= 1, got -1"),
+    ("speculative.das.decay=2", r"speculative\.das\.decay must be a number in \(0, 1\], got 2"),
+    ("speculative.das.budget=unlimited", r"speculative\.das\.budget: budget 'unlimited' is now called 'fixed'"),
+    ("speculative.das.c_base=0.01", r"speculative\.das: give both c_base and c_tok"),
     ("scheduler.window=-1", r"scheduler\.window must be an int >= 1"),
     ("rollout.samples=2.5", r"rollout\.samples must be an int >= 1, got 2\.5"),
     ("steps=abc", r"steps must be an int >= 1, got 'abc'"),

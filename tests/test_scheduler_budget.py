@@ -153,7 +153,11 @@ def test_speculation_scheduler_policies():
     g = np.zeros(4)
     zeros = np.zeros(4)
     assert SpeculationScheduler("none").caps(idx, g, zeros, zeros, zeros).tolist() == [0] * 4
-    assert SpeculationScheduler("unlimited", max_draft=7).caps(idx, g, zeros, zeros, zeros).tolist() == [7] * 4
+    assert SpeculationScheduler("fixed", max_draft=7).caps(idx, g, zeros, zeros, zeros).tolist() == [7] * 4
+    with pytest.raises(ValueError, match="'unlimited' is now called 'fixed'"):
+        SpeculationScheduler("unlimited")
+    with pytest.raises(ValueError, match="'cost' runs only in the proposer"):
+        SpeculationScheduler("cost")
     cls = SpeculationScheduler("class", predictor=pred).caps(idx, g, zeros, zeros, zeros)
     assert cls.tolist() == [0, 16, 0, 16]
     eq7 = SpeculationScheduler("eq7", predictor=pred, cost=CostModel(prior=(C_BASE, C_TOK)), seed=None)

@@ -57,7 +57,7 @@ def test_allot_drafts_spends_the_budget_in_priority_order():
 
 def _two_requests(kv_aware: bool):
     """Two looping requests of 12 tokens with 100-token prompts on the toy GPU (KV 230 tokens),
-    unlimited K=16. Without drafts their KV peaks at 224 tokens: no preemption is needed."""
+    fixed K=16. Without drafts their KV peaks at 224 tokens: no preemption is needed."""
     am = AcceptanceModel()
     k, a = np.full(2, 0.6), np.full(2, 1.0)
     req = Requests(
@@ -200,10 +200,10 @@ def test_sweep_point_pruning_matches_all_gpus():
     params = EngineParams(roof=h100_7b_roofline(), max_draft=16, max_tokens=2048)
     lin = fit_linear_cost(params.roof)
     am = AcceptanceModel()
-    pr = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, top=3, policies=("none", "das-roofline"))
-    full = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, policies=("none", "das-roofline"), all_gpus=True)
+    pr = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, top=3, policies=("none", "class-roofline"))
+    full = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, policies=("none", "class-roofline"), all_gpus=True)
     assert pr["simulated_gpus"] < 32
-    for p in ("none", "das-roofline"):
+    for p in ("none", "class-roofline"):
         assert pr[p]["makespan_s"] == pytest.approx(full[p]["makespan_s"])
 
 

@@ -543,14 +543,33 @@ def load_problems(spec: str | os.PathLike | None, limit: int | None = None) -> l
         FileNotFoundError: a path (or a short name's file) does not exist; the message names it.
         ValueError: the spec is none of the above.
     """
+    s = problem_source(spec)
+    if s in ("math", "code"):
+        return load_embedded(s, limit)
+    if s.lower().endswith(".parquet"):
+        return load_verl_parquet(s, limit)
+    return load_leetcode_json(s, limit)
+
+
+def problem_source(spec: str | os.PathLike | None) -> str:
+    """Where :func:`load_problems` would read ``spec`` from, checked without reading it.
+
+    Returns:
+        ``"math"`` or ``"code"`` (embedded problems), or the path of an existing ``.parquet`` /
+        ``.json`` file.
+
+    Raises:
+        FileNotFoundError: a path (or a short name's file) does not exist; the message names it.
+        ValueError: the spec is none of those :func:`load_problems` takes.
+    """
     if spec is None:
-        return load_embedded("math", limit)
+        return "math"
     s = os.fspath(spec)
     key = s.strip().lower()
     if key in ("champ", "math"):
-        return load_embedded("math", limit)
+        return "math"
     if key in ("humaneval", "human_eval", "human-eval", "code"):
-        return load_embedded("code", limit)
+        return "code"
     if key in SHARED_FILES:
         f = shared_data_dir() / SHARED_FILES[key]
         if not f.is_file():
@@ -559,14 +578,14 @@ def load_problems(spec: str | os.PathLike | None, limit: int | None = None) -> l
                 f"(set DAS_DATA_DIR to the directory holding {SHARED_FILES[key]})"
             )
         s = str(f)
-    if s.lower().endswith(".parquet"):
-        return load_verl_parquet(s, limit)
-    if s.lower().endswith(".json"):
-        return load_leetcode_json(s, limit)
-    raise ValueError(
-        f"unknown problem set {s!r}: expected None, 'champ', 'humaneval', one of {sorted(SHARED_FILES)}, "
-        "a verl .parquet path or a LeetCode-style .json path"
-    )
+    if not s.lower().endswith((".parquet", ".json")):
+        raise ValueError(
+            f"unknown problem set {s!r}: expected None, 'champ', 'humaneval', one of {sorted(SHARED_FILES)}, "
+            "a verl .parquet path or a LeetCode-style .json path"
+        )
+    if not Path(s).is_file():
+        raise FileNotFoundError(f"problem file {s!r} does not exist")
+    return s
 
 
 def render_prompts(problems: Iterable[Problem | Sequence[dict]], tokenizer: Any) -> list[list[int]]:

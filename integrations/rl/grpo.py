@@ -493,15 +493,44 @@ def format_steps(records: Sequence[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def check_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> Recipe:
+    """The recipe of ``args``, with everything checkable checked before any engine loads.
+
+    A bad recipe file, key or value, a missing data file or a refused log path ends in
+    ``p.error`` (``<prog>: error: ...``, exit status 2), naming the key and the value.
+    """
+    import yaml
+
+    from integrations.data.problems import problem_source
+    from integrations.results import check_output_path
+
+    try:
+        rec = load_recipe(args.recipe, args.overrides)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        p.error(f"--recipe {args.recipe}: {exc}")
+    try:
+        problem_source(rec.data)
+    except (OSError, ValueError) as exc:
+        p.error(f"data {rec.data!r}: {exc}")
+    if rec.log.json:
+        try:
+            check_output_path(rec.log.json, overwrite=rec.log.overwrite)
+        except ValueError as exc:
+            p.error(f"log.json: {exc}")
+    return rec
+
+
 def main(argv: list[str] | None = None) -> int:
-    cpu_runtime.reexec_with_iomp()
-    p = argparse.ArgumentParser(prog="python -m integrations.rl.grpo", description=__doc__.split("\n\n")[0])
+    if argv is None:  # run as a command: preload Intel OpenMP (re-executes this process once)
+        cpu_runtime.reexec_with_iomp()
+    p = argparse.ArgumentParser(prog="das-grpo", description=__doc__.split("\n\n")[0])
     p.add_argument("--recipe", default="grpo_dsr_sub", help="recipe YAML path or name under recipes/ (default: grpo_dsr_sub)")
-    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. steps=3 rollout.samples=4 speculative.method=none")
+    p.add_argument("overrides", nargs="*", help="section.key=value overrides, e.g. steps=3 rollout.samples=4 speculative.das.budget=fixed")
     args = p.parse_args(argv)
+    rec = check_recipe(p, args)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     cpu_runtime.apply_cpu_defaults()
-    res = run(args.recipe, overrides=args.overrides)
+    res = run(rec)
     print(format_steps(res.steps))
     print(json.dumps(res.summary))
     return 0

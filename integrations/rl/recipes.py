@@ -62,6 +62,8 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from das.config import DEFAULTS, SHOWN_KEYS, das_config
+
 __all__ = [
     "RECIPES_DIR",
     "Recipe",
@@ -102,7 +104,7 @@ class RolloutSection:
 class SpeculativeSection:
     method: str = "das"  # none | das | ngram | suffix
     num_speculative_tokens: int | None = 16
-    das: dict = dataclasses.field(default_factory=lambda: {"window": 16, "decay": 0.9, "budget": "cost"})
+    das: dict = dataclasses.field(default_factory=lambda: DEFAULTS.section(SHOWN_KEYS))  # keys of das.config.DASConfig
 
 
 @dataclasses.dataclass
@@ -202,15 +204,10 @@ class Recipe:
         if bad:
             raise ValueError("bad recipe: " + "; ".join(bad))
         if s.method == "das":
-            from integrations.vllm_ext.proposer import das_section
-
-            try:
-                drafter_kwargs, _ = das_section({"das": dict(s.das)})  # unknown keys / budget settings
-                from das.drafter import DASDrafter
-
-                DASDrafter(**drafter_kwargs)  # the drafter's own checks (window >= 1, 0 < decay <= 1, ...)
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"bad recipe: speculative.das: {exc}") from None
+            try:  # the one schema of the DAS settings: unknown keys, types, ranges, budget names
+                das_config(s.das, where="speculative.das", name=lambda k: f"speculative.das.{k}")
+            except ValueError as exc:
+                raise ValueError(f"bad recipe: {exc}") from None
         return self
 
 
@@ -416,7 +413,7 @@ def verl_overlay(das: Mapping[str, Any] | None = None, num_speculative_tokens: i
         "name": "vllm",
         "disable_log_stats": False,
         "engine_kwargs": {"vllm": {"speculative_config": das_speculative_config(num_speculative_tokens),
-                                   "additional_config": {"das": dict(das or {"window": 16, "decay": 0.9, "budget": "cost"})}}},
+                                   "additional_config": {"das": dict(das or DEFAULTS.section(SHOWN_KEYS))}}},
     }
     if agent_loop:
         rollout["agent"] = {"default_agent_loop": "das_single_turn_agent", "agent_loop_config_path": agent_loop_config_path}
@@ -474,7 +471,7 @@ def verl_vllm_cli_args(engine_kwargs: Mapping[str, Any]) -> list[str]:
 def nemo_rl_overlay(das: Mapping[str, Any] | None = None, num_speculative_tokens: int = 16, *, pythonpath: str | None = None) -> dict[str, Any]:
     """The NeMo-RL config keys that turn DAS on (nested under ``policy.generation``)."""
     gen: dict[str, Any] = {"vllm_kwargs": {"speculative_config": das_speculative_config(num_speculative_tokens),
-                                           "additional_config": {"das": dict(das or {"window": 16, "decay": 0.9, "budget": "cost"})}}}
+                                           "additional_config": {"das": dict(das or DEFAULTS.section(SHOWN_KEYS))}}}
     if pythonpath:
         gen["vllm_cfg"] = {"env_vars": {"PYTHONPATH": pythonpath}}
     return {"policy": {"generation": gen}}

@@ -21,7 +21,11 @@ Per-request options ride on ``SamplingParams.extra_args``:
 ``das_problem_id`` (str: the problem's id, instead of the hash of the prompt token ids) and
 ``das_max_draft_tokens`` (int: this request's speculation budget per step, 0 = no drafting).
 
-Speculation budget (``additional_config['das']['budget']``), one of :data:`BUDGETS`:
+Settings (``additional_config['das']``): the keys of :class:`das.config.DASConfig`, which holds
+their defaults and ranges; :func:`das_section` checks them when the proposer is built.
+
+Speculation budget (``additional_config['das']['budget']``), one of :data:`BUDGETS` (the budgets
+of :mod:`scheduler.budgets` that run in the proposer):
 
 - ``"fixed"``: up to K draft tokens per row whenever the drafter finds a match.
 - ``"cost"`` (default): keep only the draft tokens whose path probability pays for their
@@ -51,9 +55,13 @@ from typing import Any
 
 import numpy as np
 
+from das.config import BUDGET_KEYS as _BUDGET_KEYS
+from das.config import DRAFTER_KEYS as _DRAFTER_KEYS
+from das.config import das_config
 from das.drafter import DASDrafter
 from das.suffix_tree import Draft
 from integrations.vllm_ext import fixes as vllm_fixes
+from scheduler.budgets import names as budget_names
 from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
 from scheduler.regime_cost import TwoRegimeCost
@@ -67,11 +75,9 @@ vllm_fixes.apply()
 # Live proposers of this process, so an in-process driver can reach them (tests, tools).
 _INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 
-DRAFTER_KEYS = frozenset(
-    ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree", "prior")
-)
-BUDGET_KEYS = frozenset(("budget", "c_base", "c_tok"))
-BUDGETS = ("fixed", "cost", "class", "eq7")
+DRAFTER_KEYS = frozenset(_DRAFTER_KEYS)
+BUDGET_KEYS = frozenset(_BUDGET_KEYS)
+BUDGETS = budget_names("proposer")  # the budgets that run here (scheduler.budgets)
 
 
 @dataclasses.dataclass
@@ -112,31 +118,20 @@ class _Req:
 
 
 def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Split and check the ``das`` section of vLLM's ``additional_config``.
+    """Check the ``das`` section of vLLM's ``additional_config`` against :class:`das.config.DASConfig`.
 
     Returns:
-        ``(drafter_kwargs, budget_kwargs)``: :class:`das.drafter.DASDrafter` arguments (checked by
-        it) and the step-budget settings ``budget`` (one of :data:`BUDGETS`), ``c_base`` and
-        ``c_tok`` (seconds, both or neither).
+        ``(drafter_kwargs, budget_kwargs)``: every :class:`das.drafter.DASDrafter` argument (defaults
+        filled in) and the step-budget settings ``budget`` (one of :data:`BUDGETS`) and, when
+        given, ``c_base`` and ``c_tok`` (seconds).
 
     Raises:
-        ValueError: the section is not a dict, has unknown keys, or bad budget settings.
+        ValueError: the section is not a mapping, has unknown keys or bad values; the message names
+            the key, the value and what was expected.
     """
-    section = (additional_config or {}).get("das", {})
-    if not isinstance(section, dict):
-        raise ValueError(f"additional_config['das'] must be a dict, got {type(section).__name__}: {section!r}")
-    unknown = sorted(set(section) - DRAFTER_KEYS - BUDGET_KEYS)
-    if unknown:
-        raise ValueError(f"unknown additional_config['das'] keys {unknown}; expected some of {sorted(DRAFTER_KEYS | BUDGET_KEYS)}")
-    budget = {k: section[k] for k in BUDGET_KEYS if k in section}
-    budget.setdefault("budget", "cost")
-    if budget["budget"] not in BUDGETS:
-        raise ValueError(f"additional_config['das']['budget'] must be one of {list(BUDGETS)}, got {budget['budget']!r}")
-    if ("c_base" in budget) != ("c_tok" in budget):
-        raise ValueError("additional_config['das']: give both c_base and c_tok (seconds) or neither")
-    if "c_base" in budget and not (float(budget["c_base"]) > 0 and float(budget["c_tok"]) >= 0):
-        raise ValueError(f"c_base must be > 0 and c_tok >= 0 seconds, got c_base={budget['c_base']!r}, c_tok={budget['c_tok']!r}")
-    return {k: v for k, v in section.items() if k in DRAFTER_KEYS}, budget
+    cfg = das_config((additional_config or {}).get("das", {}))
+    budget = cfg.section(BUDGET_KEYS)
+    return cfg.drafter_kwargs(), budget
 
 
 def _find_model_runner() -> Any | None:

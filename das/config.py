@@ -1,0 +1,138 @@
+"""DASConfig: the one schema of the DAS settings (drafter and speculation budget), defaults written once.
+
+Every surface reads it: vLLM's ``additional_config['das']`` (:func:`integrations.vllm_ext.proposer.das_section`),
+the ``das-rollout`` flags (defaults and help text, :mod:`integrations.rollout`), recipe YAML
+(``speculative.das``, :mod:`integrations.rl.recipes`) and the constructor defaults of
+:class:`das.drafter.DASDrafter`. :func:`das_config` validates a section before any engine loads
+and turns pydantic's errors into a ``ValueError`` that names the key, the value and what was
+expected, e.g. ``additional_config['das']['window'] must be an int >= 1, got 0``.
+
+Keys (see each field's description): drafter ``window``, ``decay``, ``max_depth``,
+``max_spec_factor``, ``min_token_prob``, ``max_problems``, ``use_request_tree``, ``prior``;
+budget ``budget`` (a proposer budget of :mod:`scheduler.budgets`), ``c_base`` and ``c_tok``
+(seconds, both or neither).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping
+from typing import Any
+
+import annotated_types as at
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from scheduler import budgets as _budgets
+
+__all__ = ["DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "das_config", "expected"]
+
+
+class DASConfig(BaseModel):
+    """DAS drafter and speculation-budget settings (strict types: no strings for numbers, no bools for ints)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True, allow_inf_nan=False)
+
+    window: int = Field(16, ge=1, description="policy versions of rollouts kept per problem (the paper found windows of 16-32 "
+                                              "iterations best; the smaller bounds memory and lookup cost)")
+    decay: float = Field(0.9, gt=0, le=1, description="weight of a rollout one policy version older relative to the newest "
+                                                      "(1: no down-weighting; 0.9 with window 16 weighs the oldest kept version ~0.2)")
+    max_depth: int = Field(24, ge=2, le=10_000, description="suffix tree depth (longest stored string), as vLLM's suffix method")
+    max_spec_factor: float = Field(2.0, gt=0, description="a draft anchored on an m-token match has at most floor(m * max_spec_factor) tokens")
+    min_token_prob: float = Field(0.2, ge=0, le=1, description="drafts stop before the path probability falls below this")
+    max_problems: int = Field(4096, ge=1, description="problem trees kept; beyond it the least recently used idle problem is evicted")
+    use_request_tree: bool = Field(True, description="also draft from a per-request tree of the prompt and the request's own output")
+    prior: float = Field(0.3, ge=0, description="added to the denominator of every draft-token probability, in units of one "
+                                                "current-version rollout: a continuation seen once gets 1 / (1 + prior)")
+    budget: str = Field("cost", description="speculation budget, one of scheduler.budgets (proposer): "
+                                            + _budgets.describe("proposer"))
+    c_base: float | None = Field(None, gt=0, description="fixed step cost in seconds (with c_tok): used instead of the online fit")
+    c_tok: float | None = Field(None, ge=0, description="step cost per token in seconds (with c_base): used instead of the online fit")
+
+    @field_validator("budget")
+    @classmethod
+    def _known_budget(cls, v: str) -> str:
+        return _budgets.resolve(v, "proposer")
+
+    @model_validator(mode="after")
+    def _costs_together(self) -> DASConfig:
+        if (self.c_base is None) != (self.c_tok is None):
+            raise ValueError(f"give both c_base and c_tok (seconds) or neither, got c_base={self.c_base!r}, c_tok={self.c_tok!r}")
+        return self
+
+    def drafter_kwargs(self) -> dict[str, Any]:
+        """The :class:`das.drafter.DASDrafter` arguments."""
+        return {k: getattr(self, k) for k in DRAFTER_KEYS}
+
+    def section(self, keys: Collection[str] | None = None) -> dict[str, Any]:
+        """An ``additional_config['das']`` dict of these settings (``keys`` only, if given; unset costs left out)."""
+        return {k: v for k, v in self.model_dump().items() if (keys is None or k in keys) and v is not None}
+
+
+DRAFTER_KEYS = ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree", "prior")
+BUDGET_KEYS = ("budget", "c_base", "c_tok")
+SHOWN_KEYS = ("window", "decay", "budget")  # the keys the shipped recipes and overlays spell out
+DEFAULTS = DASConfig()
+
+
+def expected(key: str) -> str:
+    """What ``key`` must be, in words, from the schema (e.g. ``"an int >= 1"``, ``"a number in (0, 1]"``)."""
+    f = DASConfig.model_fields[key]
+    if key == "budget":
+        return f"one of {list(_budgets.names('proposer'))}"
+    ann = f.annotation
+    optional = ann is not None and type(None) in getattr(ann, "__args__", ())
+    base = int if ann is int or (optional and int in ann.__args__) else bool if ann is bool else float
+    if base is bool:
+        return "true or false"
+    lo = hi = None
+    for m in f.metadata:
+        if isinstance(m, (at.Ge, at.Gt)):
+            lo = ("[" if isinstance(m, at.Ge) else "(", getattr(m, "ge", getattr(m, "gt", None)))
+        elif isinstance(m, (at.Le, at.Lt)):
+            hi = ("]" if isinstance(m, at.Le) else ")", getattr(m, "le", getattr(m, "lt", None)))
+    what = "an int" if base is int else "a number" if hi is not None else "a finite number"
+    if lo and hi:
+        what += f" in {lo[0]}{lo[1]:g}, {hi[1]:g}{hi[0]}"
+    elif lo:
+        what += f" {'>=' if lo[0] == '[' else '>'} {lo[1]:g}"
+    elif hi:
+        what += f" {'<=' if hi[0] == ']' else '<'} {hi[1]:g}"
+    return f"null or {what}" if optional else what
+
+
+def das_config(section: Mapping[str, Any] | None, where: str = "additional_config['das']",
+               name: Callable[[str], str] | None = None) -> DASConfig:
+    """Validate a ``das`` settings mapping (missing keys take the defaults).
+
+    Args:
+        section: the settings (None: all defaults).
+        where: how the mapping is called in messages.
+        name: how a key is called in messages (default ``f"{where}[{key!r}]"``; a CLI passes its flags).
+
+    Raises:
+        ValueError: one line per bad key, naming the key, the value and what was expected.
+    """
+    name = name or (lambda k: f"{where}[{k!r}]")
+    if section is None:
+        section = {}
+    if not isinstance(section, Mapping):
+        raise ValueError(f"{where} must be a mapping, got {type(section).__name__}: {section!r}")
+    try:
+        return DASConfig.model_validate(dict(section))
+    except ValidationError as exc:
+        raise ValueError(explain(exc, where, name)) from None
+
+
+def explain(exc: ValidationError, where: str, name: Callable[[str], str]) -> str:
+    """One ``; ``-joined line for pydantic's errors: ``<key> must be <expected>, got <value>``."""
+    out = []
+    for e in exc.errors(include_url=False):
+        key = str(e["loc"][0]) if e["loc"] else None
+        if e["type"] == "extra_forbidden":
+            out.append(f"unknown key {name(key)}; expected some of {sorted(DASConfig.model_fields)}")
+        elif key is None:  # a rule over several keys
+            out.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
+        elif key == "budget" and e["type"] == "value_error":
+            out.append(f"{name(key)}: {e['msg'].removeprefix('Value error, ')}")
+        else:
+            out.append(f"{name(key)} must be {expected(key)}, got {e['input']!r}")
+    return "; ".join(out)

@@ -1,0 +1,189 @@
+"""One schema for the DAS settings (das.config), one registry of budgets (scheduler.budgets), and the
+CLIs refusing bad input before any engine loads (exit status 2, the bad key and value named)."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from das.config import DEFAULTS, DRAFTER_KEYS, DASConfig, das_config, expected
+from das.drafter import DASDrafter
+from scheduler import budgets
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ---- the schema
+
+
+def test_drafter_defaults_come_from_the_schema():
+    params = inspect.signature(DASDrafter.__init__).parameters
+    assert set(DRAFTER_KEYS) == set(params) - {"self"}
+    for key in DRAFTER_KEYS:
+        assert params[key].default == getattr(DEFAULTS, key), key
+    d = DASDrafter()
+    assert (d.window, d.decay, d.prior) == (DEFAULTS.window, DEFAULTS.decay, DEFAULTS.prior)
+
+
+def test_drafter_docstring_states_the_schema_defaults():
+    """DASDrafter's docstring gives each default with its reason: it must agree with the schema."""
+    doc = DASDrafter.__doc__
+    for key in DRAFTER_KEYS:
+        m = re.search(rf"^\s+{key}: .*?Default (True|False|[0-9.]+[0-9])", doc, re.M | re.S)
+        assert m is not None, key
+        want = getattr(DEFAULTS, key)
+        assert (m.group(1) == str(want)) if isinstance(want, bool) else type(want)(m.group(1)) == want, (key, m.group(1))
+
+
+def test_schema_accepts_what_the_drafter_accepts():
+    cfg = das_config({"window": 4, "decay": 1, "use_request_tree": False, "budget": "fixed", "c_base": 0.01, "c_tok": 0})
+    DASDrafter(**cfg.drafter_kwargs())
+    assert cfg.section(("window", "budget", "c_tok")) == {"window": 4, "budget": "fixed", "c_tok": 0.0}
+    assert DEFAULTS.section() == {k: v for k, v in DEFAULTS.model_dump().items() if v is not None}
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"window": 0}, "additional_config['das']['window'] must be an int >= 1, got 0"),
+    ({"window": 2.5}, "['window'] must be an int >= 1, got 2.5"),
+    ({"window": True}, "['window'] must be an int >= 1, got True"),
+    ({"decay": 1.5}, "['decay'] must be a number in (0, 1], got 1.5"),
+    ({"decay": "0.9"}, "['decay'] must be a number in (0, 1], got '0.9'"),
+    ({"max_spec_factor": float("inf")}, "['max_spec_factor'] must be a finite number > 0, got inf"),
+    ({"max_depth": 1}, "['max_depth'] must be an int in [2, 10000], got 1"),
+    ({"use_request_tree": "yes"}, "['use_request_tree'] must be true or false, got 'yes'"),
+    ({"c_base": -1, "c_tok": 0}, "['c_base'] must be null or a finite number > 0, got -1"),
+    ({"c_base": 0.01}, "give both c_base and c_tok"),
+    ({"budget": "greedy"}, "['budget']: unknown budget 'greedy'; expected one of ['fixed', 'cost', 'class', 'eq7']"),
+    ({"budget": "unlimited"}, "budget 'unlimited' is now called 'fixed'"),
+    ({"budget": "none"}, "budget 'none' runs only in the scheduler and simulator"),
+    ({"windw": 3}, "unknown key additional_config['das']['windw']"),
+])
+def test_bad_values_name_the_key_the_value_and_the_expectation(section, message):
+    with pytest.raises(ValueError) as exc:
+        das_config(section)
+    assert message in str(exc.value)
+
+
+def test_not_a_mapping():
+    with pytest.raises(ValueError, match="additional_config\\['das'\\] must be a mapping, got list"):
+        das_config([1, 2])
+
+
+def test_readme_table_mirrors_the_schema():
+    """The README's configuration table restates the defaults: it must agree with the schema."""
+    text = (REPO / "README.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| `?([\w.]+)`? \|", text, re.M))
+    for key in DRAFTER_KEYS + ("budget",):
+        shown = rows[key]
+        want = getattr(DEFAULTS, key)
+        assert (shown == str(want).lower() if isinstance(want, bool) else type(want)(shown) == want), (key, shown, want)
+    assert set(DASConfig.model_fields) - set(rows) == {"c_base", "c_tok"}  # one row for both
+    assert expected("window") == "an int >= 1"
+
+
+# ---- the budget registry
+
+
+def test_one_name_per_policy_everywhere():
+    from benchmarks._sim_policy import POLICIES as SIM
+    from integrations.vllm_ext.proposer import BUDGETS
+    from scheduler.speculation import POLICIES
+
+    assert BUDGETS == budgets.names("proposer") == ("fixed", "cost", "class", "eq7")
+    assert POLICIES == budgets.names("scheduler") == ("none", "fixed", "class", "eq7")
+    assert SIM == budgets.names("simulator") == ("none", "fixed", "class-eq9", "class-roofline", "eq7")
+    assert DEFAULTS.budget in BUDGETS
+    assert all(b.summary and b.runs_in for b in budgets.BUDGETS.values())
+    assert not set(budgets.RENAMED) & set(budgets.BUDGETS)
+    for old, new in budgets.RENAMED.items():
+        with pytest.raises(ValueError, match=f"'{old}' is now called '{new}'"):
+            budgets.resolve(old)
+
+
+def test_simulator_refuses_former_names():
+    from benchmarks._sim_policy import make_policy
+
+    with pytest.raises(ValueError, match="'das-roofline' is now called 'class-roofline'"):
+        make_policy("das-roofline", None, 16, {})
+    assert make_policy("fixed", None, 16, {}).name == "fixed"
+
+
+# ---- das-rollout: every bad input refused before any model or engine loads
+
+
+def _rollout_error(capsys, argv: list[str]) -> str:
+    from integrations.rollout import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "das-rollout: error:" in err and "Traceback" not in err
+    return err
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--window", "0"], "--window must be an int >= 1, got 0"),
+    (["--decay", "1.5"], "--decay must be a number in (0, 1], got 1.5"),
+    (["--decay", "0"], "--decay must be a number in (0, 1], got 0.0"),
+    (["--budget", "unlimited"], "--budget: budget 'unlimited' is now called 'fixed'"),
+    (["--budget", "greedy"], "unknown budget 'greedy'"),
+    (["--compare", "none,das:unlimited"], "--compare das:unlimited: budget 'unlimited' is now called 'fixed'"),
+    (["--compare", "das:none"], "--compare das:none: budget 'none' runs only in the scheduler and simulator"),
+    (["--num-spec-tokens", "0"], "--num-spec-tokens must be >= 1, got 0"),
+    (["--prompts", "0"], "--prompts must be >= 1, got 0"),
+    (["--data", "/nonexistent/nope.parquet"], "nope.parquet"),
+    (["--data", "problems.csv"], "unknown problem set 'problems.csv'"),
+    (["--trace", "out/rollouts.json"], "--trace must be a .parquet path, got 'out/rollouts.json'"),
+])
+def test_das_rollout_bad_input_exits_2_naming_it(capsys, argv, named):
+    assert named in _rollout_error(capsys, argv)
+
+
+def test_das_rollout_defaults_and_help_come_from_the_schema(capsys):
+    from integrations.rollout import parse_args
+
+    args = parse_args([])
+    assert (args.window, args.decay, args.budget) == (DEFAULTS.window, DEFAULTS.decay, DEFAULTS.budget)
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert all(name in out for name in budgets.names("proposer"))
+
+
+def test_das_rollout_caps_prompts_at_the_problem_set_with_a_warning():
+    from integrations.rollout import fit_to_problems, iteration_prompts, parse_args
+
+    args = parse_args(["--prompts", "100000"])
+    warning = fit_to_problems(args, 12)
+    assert "--prompts 100000" in warning and "12 problems" in warning
+    assert (args.prompts, args.pool) == (12, 12)
+    assert all(len(s) == 12 for s in iteration_prompts(12, args))
+    assert fit_to_problems(parse_args(["--prompts", "4"]), 12) is None
+
+
+# ---- das-grpo: a bad recipe is a one-line error, exit 2, before any engine
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["speculative.das.window=0"], "speculative.das.window must be an int >= 1, got 0"),
+    (["speculative.das.decay=1.5"], "speculative.das.decay must be a number in (0, 1], got 1.5"),
+    (["speculative.das.budget=unlimited"], "budget 'unlimited' is now called 'fixed'"),
+    (["speculative.das.windw=4"], "unknown key speculative.das.windw"),
+    (["rollout.sampels=4"], "unknown keys ['sampels']"),
+    (["speculative.num_speculative_tokens=0"], "speculative.num_speculative_tokens must be null or an int >= 1, got 0"),
+    (["steps=abc"], "steps must be an int >= 1, got 'abc'"),
+    (["--recipe", "no_such_recipe"], "recipe not found: 'no_such_recipe'"),
+    (["data=/nonexistent/nope.parquet"], "nope.parquet"),
+])
+def test_das_grpo_bad_recipe_exits_2_naming_it(capsys, argv, named):
+    from integrations.rl.grpo import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "das-grpo: error:" in err and named in err and "Traceback" not in err
