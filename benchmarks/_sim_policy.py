@@ -8,7 +8,7 @@ priority order (``Gpu.order``, highest first), and declares how the engine spend
 
 * ``none``: no speculation.
 * ``unlimited``: K drafts for every row in every step (the paper's "unlimited draft budget").
-* ``das``: DAS's deployed class policy as published (../shared/REFERENCES.md): three length classes
+* ``das``: DAS's deployed class policy as published (arXiv 2511.13841): three length classes
   from the predictor (Short never drafts); Long and Medium budgets from Eq. 7 with ``N_fwd`` from
   Eq. 9 (per class: every request of a class planned at the class's mean predicted remaining
   length and mean estimated acceptance; Eq. 1 constants fitted offline to the step-cost model, as
