@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from das import _trie_kernels as K
+from das import _trie_kernels as kernels
 
 
 class DASAdapter:
@@ -230,12 +230,12 @@ def _hindsight(mem, s, truth, k, out):
     """Of the greedy walks (no probability floor, no spec factor, up to ``k`` tokens) from every
     suffix locus of slot ``s``, the one sharing the longest prefix with ``truth``; writes it to
     ``out`` and returns ``(length, common prefix)``."""
-    meta, nd, wf, ht, sq, pool = K._views(mem)
-    D = meta[K.M_MAXD]
-    n = sq[s, K.S_LEN]
+    meta, nodes, weights, hash_table, seqs, pool = kernels.borrowed_views(mem)
+    D = meta[kernels.M_MAX_DEPTH]
+    n = seqs[s, kernels.S_LEN]
     w = min(n, D - 1)
     scratch = np.empty(w + k + 1, np.int32)
-    base = sq[s, K.S_BASE] + n - w
+    base = seqs[s, kernels.S_BASE] + n - w
     tok = np.empty(k, np.int32)
     prob = np.empty(k, np.float32)
     best_m = -1
@@ -243,8 +243,9 @@ def _hindsight(mem, s, truth, k, out):
     for L in range(w, 0, -1):
         for i in range(w):
             scratch[i] = pool[base + i]
-        u = sq[s, K.S_ACT + L]
-        got, _ = K._walk(nd, wf, ht, meta, sq, pool, u, nd[u, K.C_DEPTH], k, 0.0, 0.0, scratch, w, tok, prob, 0)
+        u = seqs[s, kernels.S_LOCI + L]
+        got, _ = kernels.greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, nodes[u, kernels.C_DEPTH], k, 0.0, 0.0,
+                                     scratch, w, tok, prob, 0)
         m = 0
         while m < got and m < truth.shape[0] and tok[m] == truth[m]:
             m += 1
@@ -278,16 +279,10 @@ class DASHindsightAdapter(DASAdapter):
         self.pos[rid] += tokens.shape[0]
 
     def propose(self, rid, ctx):
-        req = self.d._requests[rid]
         truth = self.truth[rid][self.pos[rid] : self.pos[rid] + self.k]
         best, best_m = [], -1
-        trees = []
-        if req.problem is not None:
-            trees.append((req.problem.tree, req.problem.tree._seqs[req.seq][0]))
-        if req.tree is not None:
-            trees.append((req.tree, req.tree_slot))
-        for tree, slot in trees:
-            n, m = _hindsight(tree._mem, slot, truth, self.k, self.out)
+        for tree, seq in self.d.request_sequences(rid):
+            n, m = _hindsight(tree.buffer, tree.slot(seq), truth, self.k, self.out)
             if m > best_m:
                 best, best_m = self.out[:n].tolist(), m
         self.last_probs = None

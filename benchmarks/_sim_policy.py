@@ -11,7 +11,7 @@ simulator; the former names ``unlimited``, ``das`` and ``das-roofline`` are refu
 
 * ``none``: no speculation.
 * ``fixed``: K drafts for every row in every step (the paper's "unlimited draft budget").
-* ``class-eq9``: DAS's deployed class policy as published (../shared/REFERENCES.md): three length classes
+* ``class-eq9``: DAS's deployed class policy as published (arXiv 2511.13841): three length classes
   from the predictor (Short never drafts); Long and Medium budgets from Eq. 7 with ``N_fwd`` from
   Eq. 9 (per class: every request of a class planned at the class's mean predicted remaining
   length and mean estimated acceptance; Eq. 1 constants fitted offline to the step-cost model, as

@@ -283,8 +283,8 @@ class AcceptanceModel:
       ``k_conc``, shared half by the problem (its history tree) and half by the sample; ``a``
       lognormal around ``a_median``; ``k * a <= 1``. With the defaults a request offered 1 / 4 / 16
       drafts per step advances about 1.44 / 2.06 / 2.5 tokens per step: the range measured on this
-      machine by replaying a SmolLM2 trace through the suffix drafters (2.05-2.29 at K = 16,
-      ../shared/REFERENCES.md). No acceptance numbers of a 7B model are published.
+      machine by replaying a SmolLM2 trace through the suffix drafters (2.05-2.29 at K = 4 and
+      16). No acceptance numbers of a 7B model are published.
     * **Live siblings**: the problem tree of an engine also holds the finished GRPO siblings that
       ran on that engine; with ``c`` of the group's ``S - 1`` siblings finished there, the capacity
       is ``1 - (1 - k) * (1 - sibling_gain * c / (S - 1))`` (``sibling_gain`` 0.25: k 0.6 -> 0.7

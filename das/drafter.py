@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from das import _trie_kernels as K
+from das import _trie_kernels as kernels
 from das.config import DEFAULTS
 from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree, as_tokens, empty_draft
 
@@ -103,9 +103,10 @@ class DraftBatch(NamedTuple):
 class _TreeTable:
     """Buffers of a drafter's trees by tree index, in a numba typed List the batch kernels read.
 
-    A registered tree reports every new buffer it moves to (``SuffixTree._on_mem``), so the table
-    never holds a stale one. ``prior[i]``: the drafting prior of tree ``i`` if it is a problem
-    tree (request trees use the drafter's ``prior``)."""
+    A registered tree reports every new buffer it moves to (:meth:`SuffixTree.set_buffer_listener`),
+    so the table never holds a stale one. ``prior[i]``: the drafting prior of tree ``i`` if it is
+    a problem tree (request trees use the drafter's ``prior``). ``free``: indices of released trees,
+    reused first."""
 
     def __init__(self):
         from numba import types
@@ -113,29 +114,29 @@ class _TreeTable:
 
         self.bufs = List.empty_list(types.int64[::1])
         self.prior = np.zeros(16, np.float64)
-        self._free: list[int] = []
+        self.free: list[int] = []
         self._none = np.zeros(1, np.int64)  # what a freed index holds (drops the tree's buffer)
 
     def add(self, tree: SuffixTree) -> int:
         """Register ``tree``; returns its index."""
-        if self._free:
-            i = self._free.pop()
-            self.bufs[i] = tree._mem
+        if self.free:
+            i = self.free.pop()
+            self.bufs[i] = tree.buffer
         else:
             i = len(self.bufs)
-            self.bufs.append(tree._mem)
+            self.bufs.append(tree.buffer)
             if i >= self.prior.shape[0]:
                 self.prior = np.concatenate([self.prior, np.zeros_like(self.prior)])
         self.prior[i] = 0.0
-        tree._on_mem = partial(self.bufs.__setitem__, i)
+        tree.set_buffer_listener(partial(self.bufs.__setitem__, i))
         return i
 
     def release(self, i: int, tree: SuffixTree) -> None:
         """Forget tree ``i`` (its index may be reused)."""
-        tree._on_mem = None
+        tree.set_buffer_listener(None)
         self.bufs[i] = self._none
         self.prior[i] = 0.0
-        self._free.append(i)
+        self.free.append(i)
 
 
 class _Problem:
@@ -150,15 +151,16 @@ class _Problem:
 
 
 class _Request:
-    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_slot", "h", "rti")
+    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_seq", "tree_slot", "h", "rti")
 
-    def __init__(self, pid, problem, seq, version, tree, tree_slot, h, rti):
+    def __init__(self, pid, problem, seq, version, tree, tree_seq, tree_slot, h, rti):
         self.pid = pid
         self.problem = problem  # _Problem, or None once evicted
         self.seq = seq  # sequence id in problem.tree
         self.version = version
         self.tree = tree  # per-request SuffixTree or None
-        self.tree_slot = tree_slot  # the request tree's only sequence (id 0), its slot
+        self.tree_seq = tree_seq  # the request tree's only sequence (prompt + output), its id
+        self.tree_slot = tree_slot  # and its slot (a request tree never removes, so it never moves)
         self.h = h  # handle: row of the drafter's per-request state arrays
         self.rti = rti  # the request tree's index in the drafter's tree table (-1: none)
 
@@ -228,7 +230,8 @@ class DASDrafter:
         # what the batch kernels read (see the module docstring and das._trie_kernels)
         self._tab = _TreeTable()
         self._handles: dict[Hashable, int] = {}  # live request id -> handle
-        self._ri = np.full((16, K.R_COLS), -1, np.int64)  # per handle: R_PT, R_PS, R_RT, R_RS, R_N
+        # per handle: problem tree index, its slot there, request tree index, its slot, tokens so far (kernels.R_*)
+        self._ri = np.full((16, kernels.R_COLS), -1, np.int64)
         self._rw = np.ones(16, np.float64)  # per handle: weight of its problem-tree sequence
         self._hreq: list[_Request | None] = [None] * 16  # handle -> request
         self._hfree = list(range(15, -1, -1))
@@ -314,19 +317,19 @@ class DASDrafter:
         for rid in prob.live:
             req = self._requests[rid]
             req.problem = None
-            self._ri[req.h, K.R_PT] = -1
-            self._ri[req.h, K.R_PS] = -1
+            self._ri[req.h, kernels.R_PROBLEM_TREE] = -1
+            self._ri[req.h, kernels.R_PROBLEM_SLOT] = -1
         return prob
 
     def _sync_problem(self, prob: _Problem) -> None:
         """Refresh what the batch kernels know of ``prob``: its prior, and its live requests'
         sequence slots (moved by a rebuild) and weights (changed by a rescale)."""
         self._tab.prior[prob.ti] = self._prior_of(prob)
-        seqs = prob.tree._seqs
+        tree = prob.tree
         for rid, sid in prob.live.items():
             h = self._requests[rid].h
-            slot, w = seqs[sid]
-            self._ri[h, K.R_PS] = slot
+            slot, w = tree.slot_and_weight(sid)
+            self._ri[h, kernels.R_PROBLEM_SLOT] = slot
             self._rw[h] = w
 
     def _evict_lru(self, keep: Hashable) -> None:
@@ -358,6 +361,29 @@ class DASDrafter:
     def __contains__(self, problem_id: Hashable) -> bool:
         return problem_id in self._problems
 
+    def request_sequences(self, req_id: Hashable) -> list[tuple[SuffixTree, int]]:
+        """What a live request drafts from, in drafting order (ties go to the first): ``(tree,
+        sequence id)`` of its rollout in its problem's tree (while the problem is kept), then of its
+        prompt + output in its request tree (with ``use_request_tree``). Each sequence holds the
+        request's context so far (the problem tree's: only the last ``max_depth - 1`` prompt
+        tokens). For inspection and analysis: read-only use.
+
+        Returns:
+            A list of 0 to 2 ``(SuffixTree, int)`` pairs.
+
+        Raises:
+            KeyError: unknown request.
+        """
+        req = self._requests.get(req_id)
+        if req is None:
+            raise KeyError(f"unknown request {req_id!r}")
+        out = []
+        if req.problem is not None:
+            out.append((req.problem.tree, req.seq))
+        if req.tree is not None:
+            out.append((req.tree, req.tree_seq))
+        return out
+
     # ------------------------------------------------------------------ requests
     def start_request(self, req_id: Hashable, prompt_ids, problem_id: Hashable | None = None) -> Hashable:
         """Register a live rollout.
@@ -382,20 +408,21 @@ class DASDrafter:
         prompt = as_tokens(prompt_ids, "prompt_ids")
         _check_range(prompt, "prompt_ids")
         pid = problem_id if problem_id is not None else _problem_id(prompt)
-        tree = tree_slot = None
+        tree = tree_seq = tree_slot = None
         if self.use_request_tree:
             tree = SuffixTree(self.max_depth)
-            tree_slot = tree._seqs[tree.add(prompt)][0]  # validates the tokens
+            tree_seq = tree.add(prompt)  # validates the tokens
+            tree_slot = tree.slot(tree_seq)
         prob = self._problem(pid)
         seq = prob.tree.add(self._prompt_tail(prompt), self._weight(prob, self._version))
         prob.by_version.setdefault(self._version, []).append(seq)
         prob.live[req_id] = seq
         h = self._new_handle()
         rti = self._tab.add(tree) if tree is not None else -1
-        req = self._requests[req_id] = _Request(pid, prob, seq, self._version, tree, tree_slot, h, rti)
+        req = self._requests[req_id] = _Request(pid, prob, seq, self._version, tree, tree_seq, tree_slot, h, rti)
         self._handles[req_id] = h
         self._hreq[h] = req
-        slot, w = prob.tree._seqs[seq]
+        slot, w = prob.tree.slot_and_weight(seq)
         self._ri[h] = (prob.ti, slot, rti, tree_slot if tree is not None else -1, prompt.shape[0])
         self._rw[h] = w
         return pid
@@ -403,7 +430,7 @@ class DASDrafter:
     def _new_handle(self) -> int:
         if not self._hfree:
             n = self._ri.shape[0]
-            self._ri = np.concatenate([self._ri, np.full((n, K.R_COLS), -1, np.int64)])
+            self._ri = np.concatenate([self._ri, np.full((n, kernels.R_COLS), -1, np.int64)])
             self._rw = np.concatenate([self._rw, np.ones(n, np.float64)])
             self._hreq.extend([None] * n)
             self._hfree = list(range(2 * n - 1, n - 1, -1))
@@ -436,19 +463,21 @@ class DASDrafter:
         rt = req.tree
         if pt is None and rt is None:
             _check_range(arr, "tokens")
-            self._ri[req.h, K.R_N] += m
+            self._ri[req.h, kernels.R_NUM_TOKENS] += m
             return
-        ps, pw = pt._seqs[req.seq] if pt is not None else (-1, 1.0)
+        ps, pw = pt.slot_and_weight(req.seq) if pt is not None else (-1, 1.0)
         rs = req.tree_slot if rt is not None else -1
-        da, db = K.extend2(pt._mem if pt is not None else rt._mem, ps, pw, rt._mem if rt is not None else pt._mem, rs, 1.0, arr)
+        pbuf = pt.buffer if pt is not None else rt.buffer  # a skipped tree (slot -1) still needs a buffer
+        rbuf = rt.buffer if rt is not None else pbuf
+        da, db = kernels.append_tokens_two_trees(pbuf, ps, pw, rbuf, rs, 1.0, arr)
         if da < 0:
             i = -da - 1
             raise ValueError(f"token {int(arr[i])} at index {i} of tokens is out of range [0, {VOCAB_LIMIT})")
-        if da < m:
-            pt._finish_insert(ps, arr[da:], pw)
+        if da < m:  # a tree ran short of capacity: extend grows it and appends the rest
+            pt.extend(req.seq, arr[da:])
         if db < m:
-            rt._finish_insert(rs, arr[db:], 1.0)
-        self._ri[req.h, K.R_N] += m
+            rt.extend(req.tree_seq, arr[db:])
+        self._ri[req.h, kernels.R_NUM_TOKENS] += m
 
     def speculate(self, req_id: Hashable, max_tokens: int) -> Draft:
         """Draft up to ``max_tokens`` tokens for a live request.
@@ -477,15 +506,16 @@ class DASDrafter:
                 return empty_draft()
             ps, pprior = -1, 0.0
         else:
-            ps = pt._seqs[req.seq][0]  # a rebuild (after removals) may have moved it
+            ps = pt.slot(req.seq)  # a rebuild (after removals) may have moved it
             pprior = self._prior_of(prob)
         buf = self._buf
         if buf[0].shape[0] < 4 * max_tokens:
             buf = self._buf = (np.empty(4 * max_tokens, np.int32), np.empty(4 * max_tokens, np.float32))
-        off, k, score, mlen = K.draft2(
-            pt._mem if pt is not None else rt._mem, ps, pprior, rt._mem if rt is not None else pt._mem,
-            req.tree_slot if rt is not None else -1, self.prior, max_tokens, self.min_token_prob, self.max_spec_factor,
-            buf[0], buf[1],
+        pbuf = pt.buffer if pt is not None else rt.buffer
+        rbuf = rt.buffer if rt is not None else pbuf
+        off, k, score, mlen = kernels.draft_two_trees(
+            pbuf, ps, pprior, rbuf, req.tree_slot if rt is not None else -1, self.prior, max_tokens, self.min_token_prob,
+            self.max_spec_factor, buf[0], buf[1],
         )
         if k == 0:
             return empty_draft()
@@ -523,16 +553,16 @@ class DASDrafter:
         handles = self._handles_of(req_ids)
         rows = handles.shape[0]
         tokens = _token_matrix(token_ids, rows)
-        starts = self._ri[handles, K.R_N] if starts is None else _row_vector(starts, "starts", rows)
+        starts = self._ri[handles, kernels.R_NUM_TOKENS] if starts is None else _row_vector(starts, "starts", rows)
         ends = _row_vector(ends, "ends", rows)
         if rows == 0:
             return np.zeros(0, np.int64)
-        code, r, c = K.check_batch(tokens, starts, ends)
+        code, r, c = kernels.check_batch(tokens, starts, ends)
         if code:
             raise ValueError(_batch_error(code, r, c, tokens, starts, ends))
         row = 0
         while row < rows:
-            r, part, done = K.add_batch(self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, row)
+            r, part, done = kernels.add_batch(self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, row)
             if r < 0:
                 break
             self._finish_row(self._hreq[handles[r]], tokens[r, starts[r] : ends[r]], part, done)
@@ -544,13 +574,11 @@ class DASDrafter:
         capacity after ``done`` tokens (``part`` 0: the problem tree, 1: the request tree)."""
         seg = np.ascontiguousarray(seg)
         if part == 0:
-            pt = req.problem.tree
-            slot, w = pt._seqs[req.seq]
-            pt._finish_insert(slot, seg[done:], w)
+            req.problem.tree.extend(req.seq, seg[done:])  # grows the tree and appends the rest
             if req.tree is not None:
-                req.tree._insert(req.tree_slot, seg, 1.0)
+                req.tree.extend(req.tree_seq, seg)
         else:
-            req.tree._finish_insert(req.tree_slot, seg[done:], 1.0)
+            req.tree.extend(req.tree_seq, seg[done:])
 
     def speculate_batch(self, req_ids: Sequence[Hashable], budgets) -> DraftBatch:
         """Draft for many live requests in one call: row ``r`` gets up to ``budgets[r]`` tokens
@@ -586,8 +614,8 @@ class DASDrafter:
         probs = np.empty((rows, kmax), np.float32)
         lengths = np.zeros(rows, np.int64)
         if rows:
-            K.draft_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets,
-                          self.min_token_prob, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
+            kernels.draft_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets,
+                                self.min_token_prob, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
         return DraftBatch(tokens, probs, lengths)
 
     def num_tokens(self, req_ids: Sequence[Hashable]) -> np.ndarray:
@@ -600,7 +628,7 @@ class DASDrafter:
         Raises:
             KeyError: an id that is not a live request.
         """
-        return self._ri[self._handles_of(req_ids), K.R_N]
+        return self._ri[self._handles_of(req_ids), kernels.R_NUM_TOKENS]
 
     def _handles_of(self, req_ids: Sequence[Hashable]) -> np.ndarray:
         """``int64[len(req_ids)]`` handles of live requests (one C-level pass, no Python loop)."""
@@ -629,19 +657,20 @@ class DASDrafter:
             assert req.h == h and self._hreq[h] is req
             row = self._ri[h]
             if req.problem is not None:
-                slot, w = req.problem.tree._seqs[req.seq]
-                assert (row[K.R_PT], row[K.R_PS]) == (req.problem.ti, slot) and self._rw[h] == w, rid
+                slot, w = req.problem.tree.slot_and_weight(req.seq)
+                assert (row[kernels.R_PROBLEM_TREE], row[kernels.R_PROBLEM_SLOT]) == (req.problem.ti, slot), rid
+                assert self._rw[h] == w, rid
             else:
-                assert row[K.R_PT] == -1, rid
+                assert row[kernels.R_PROBLEM_TREE] == -1, rid
             if req.tree is not None:
-                assert (row[K.R_RT], row[K.R_RS]) == (req.rti, req.tree_slot), rid
+                assert (row[kernels.R_REQUEST_TREE], row[kernels.R_REQUEST_SLOT]) == (req.rti, req.tree_slot), rid
                 live_ti[req.rti] = req.tree
             else:
-                assert row[K.R_RT] == -1, rid
+                assert row[kernels.R_REQUEST_TREE] == -1, rid
         for ti, tree in live_ti.items():
             buf = tab.bufs[ti]
-            assert buf.ctypes.data == tree._mem.ctypes.data and buf.shape == tree._mem.shape, ti
-        assert len(live_ti) + len(tab._free) == len(tab.bufs)
+            assert buf.ctypes.data == tree.buffer.ctypes.data and buf.shape == tree.buffer.shape, ti
+        assert len(live_ti) + len(tab.free) == len(tab.bufs)
 
     def stop_request(self, req_id: Hashable) -> None:
         """Finish a request: free its request tree; its rollout stays in the problem tree (this
@@ -758,11 +787,11 @@ def _row_vector(a, name: str, rows: int) -> np.ndarray:
 
 
 def _batch_error(code: int, r: int, c: int, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> str:
-    if code == K.E_START:
+    if code == kernels.E_START:
         return f"starts[{r}] must be >= 0, got {int(starts[r])}"
-    if code == K.E_ORDER:
+    if code == kernels.E_ORDER:
         return f"ends[{r}] must be >= starts[{r}] = {int(starts[r])}, got {int(ends[r])}"
-    if code == K.E_END:
+    if code == kernels.E_END:
         return f"ends[{r}] must be <= token_ids.shape[1] = {tokens.shape[1]}, got {int(ends[r])}"
     return f"token {int(tokens[r, c])} at token_ids[{r}, {c}] is out of range [0, {VOCAB_LIMIT})"
 

@@ -28,15 +28,16 @@ capacity.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
-from das import _trie_kernels as K
+from das import _trie_kernels as kernels
 
 __all__ = ["Draft", "SuffixTree", "VOCAB_LIMIT", "empty_draft"]
 
-VOCAB_LIMIT = K.VOCAB_LIMIT
+VOCAB_LIMIT = kernels.VOCAB_LIMIT
 
 _INIT_NODES = 256
 _INIT_SEQS = 4
@@ -120,157 +121,161 @@ class SuffixTree:
         ValueError: ``max_depth < 1`` or not an int.
     """
 
-    __slots__ = ("_D", "_mem", "_nd", "_wf", "_ht", "_meta", "_sq", "_pool", "_seqs", "_slots", "_free_slots",
-                 "_next_id", "_buf", "_ptop", "_pgarb", "_zombies", "_ztok", "_on_mem")
+    __slots__ = ("_max_depth", "_buffer", "_nodes", "_weights", "_hash_table", "_meta", "_seq_table", "_pool", "_seqs",
+                 "_slots", "_free_slots", "_next_id", "_draft_buf", "_pool_top", "_pool_garbage", "_zombies", "_zombie_tokens",
+                 "_buffer_listener")
 
     def __init__(self, max_depth: int = 24):
         if isinstance(max_depth, bool) or not isinstance(max_depth, (int, np.integer)) or max_depth < 1:
             raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
         if max_depth > 10_000:
             raise ValueError(f"max_depth must be <= 10000, got {max_depth!r}")
-        self._D = int(max_depth)
-        self._on_mem = None  # called with the new buffer whenever the trie moves to one (see _set_views)
+        self._max_depth = int(max_depth)
+        self._buffer_listener = None  # called with the new buffer whenever the trie moves to one (see _set_buffer)
         self._next_id = 0
-        self._buf = (np.empty(0, np.int32), np.empty(0, np.float32))
+        self._draft_buf = (np.empty(0, np.int32), np.empty(0, np.float32))
         self._seqs: dict[int, list] = {}  # seq id -> [slot, weight]
         self._reset()
 
     # ------------------------------------------------------------------ storage
     def _reset(self) -> None:
-        D = self._D
+        D = self._max_depth
         ncap = max(_INIT_NODES, 4 * D)
-        hcap = _pow2(max(_INIT_HASH_MIN, 4 * K.hash_headroom(D)))
-        meta, words = K.layout(D, ncap, hcap, _INIT_SEQS, _INIT_POOL)
-        self._mem = np.empty(words, np.int64)
-        self._mem[: K.M_LEN] = meta
-        self._set_views()
+        hcap = _pow2(max(_INIT_HASH_MIN, 4 * kernels.hash_headroom(D)))
+        meta, words = kernels.buffer_layout(D, ncap, hcap, _INIT_SEQS, _INIT_POOL)
+        self._buffer = np.empty(words, np.int64)
+        self._buffer[: kernels.M_LEN] = meta
+        self._set_buffer()
         meta = self._meta
-        meta[K.M_HWM] = 1
-        meta[K.M_FREE] = -1
-        meta[K.M_LIVE] = 1
-        self._ht.fill(-1)
-        self._sq.fill(0)
-        root = self._nd[0]
-        root[: K.C_HASHED + 1] = -1
-        self._wf[0] = 0.0
-        root[K.C_DEPTH] = 0
-        root[K.C_COUNT] = 0
-        root[K.C_NCHILD] = 0
-        root[K.C_HASHED] = 1
-        root[K.C_SEQ] = 0
-        root[K.C_IDX] = 0
+        meta[kernels.M_HIGH_WATER] = 1
+        meta[kernels.M_FREE_HEAD] = -1
+        meta[kernels.M_LIVE_NODES] = 1
+        self._hash_table.fill(-1)
+        self._seq_table.fill(0)
+        root = self._nodes[0]
+        root[: kernels.C_HASHED + 1] = -1
+        self._weights[0] = 0.0
+        root[kernels.C_DEPTH] = 0
+        root[kernels.C_COUNT] = 0
+        root[kernels.C_NCHILD] = 0
+        root[kernels.C_HASHED] = 1
+        root[kernels.C_SEQ] = 0
+        root[kernels.C_IDX] = 0
         self._slots: dict[int, int] = {}  # slot -> seq id (stored sequences)
         self._free_slots = list(range(_INIT_SEQS - 1, -1, -1))
-        self._ptop = 0
-        self._pgarb = 0
+        self._pool_top = 0
+        self._pool_garbage = 0
         self._zombies: list[int] = []  # slots of removed sequences whose tokens stay pooled
-        self._ztok = 0
+        self._zombie_tokens = 0
 
-    def _set_views(self) -> None:
-        """Point the array views at ``self._mem``; called whenever the trie moves to a new buffer
-        (``_reset``, ``_realloc``), which is also when ``_on_mem`` (if set) hears of it: an owner
-        that hands the buffer to batch kernels (:class:`das.drafter.DASDrafter`) must not keep
-        the old one."""
-        self._meta, self._nd, self._wf, self._ht, self._sq, self._pool = K.views(self._mem)
-        if self._on_mem is not None:
-            self._on_mem(self._mem)
+    def _set_buffer(self) -> None:
+        """Point the array views at ``self._buffer``; called whenever the trie moves to a new buffer
+        (``_reset``, ``_realloc``), which is also when the buffer listener (if set, see
+        :meth:`set_buffer_listener`) hears of it."""
+        views = kernels.buffer_views(self._buffer)
+        self._meta, self._nodes, self._weights, self._hash_table, self._seq_table, self._pool = views
+        if self._buffer_listener is not None:
+            self._buffer_listener(self._buffer)
 
     def _realloc(self, ncap: int, hcap: int, scap: int, pcap: int) -> None:
         """Move the trie into a buffer with these capacities (never smaller than the used parts)."""
-        old_meta, nd, wf, ht, sq, pool = self._meta, self._nd, self._wf, self._ht, self._sq, self._pool
-        meta, words = K.layout(self._D, ncap, hcap, scap, pcap)
-        for k in (K.M_HWM, K.M_FREE, K.M_NFREE, K.M_LIVE, K.M_HENT, K.M_NTOK):
+        old_meta, nodes, weights, hash_table, seq_table, pool = (self._meta, self._nodes, self._weights, self._hash_table,
+                                                                 self._seq_table, self._pool)
+        meta, words = kernels.buffer_layout(self._max_depth, ncap, hcap, scap, pcap)
+        for k in (kernels.M_HIGH_WATER, kernels.M_FREE_HEAD, kernels.M_NUM_FREE, kernels.M_LIVE_NODES, kernels.M_HASH_ENTRIES,
+                  kernels.M_NUM_TOKENS):
             meta[k] = old_meta[k]
         mem = np.empty(words, np.int64)
-        mem[: K.M_LEN] = meta
-        self._mem = mem
-        self._set_views()
-        hwm = int(meta[K.M_HWM])
+        mem[: kernels.M_LEN] = meta
+        self._buffer = mem
+        self._set_buffer()
+        hwm = int(meta[kernels.M_HIGH_WATER])
         # node rows >= HWM are never read before they are allocated: no fill needed
-        self._nd[:hwm] = nd[:hwm]
-        self._wf[:hwm] = wf[:hwm]
-        self._sq[: sq.shape[0]] = sq
-        self._sq[sq.shape[0] :] = 0
-        self._pool[: self._ptop] = pool[: self._ptop]
-        if hcap == ht.shape[0]:
-            self._ht[:] = ht
+        self._nodes[:hwm] = nodes[:hwm]
+        self._weights[:hwm] = weights[:hwm]
+        self._seq_table[: seq_table.shape[0]] = seq_table
+        self._seq_table[seq_table.shape[0] :] = 0
+        self._pool[: self._pool_top] = pool[: self._pool_top]
+        if hcap == hash_table.shape[0]:
+            self._hash_table[:] = hash_table
         else:
-            self._ht.fill(-1)
-            n = K.rehash(mem)
-            assert n == meta[K.M_HENT], (n, meta[K.M_HENT])
+            self._hash_table.fill(-1)
+            n = kernels.fill_hash_table(mem)
+            assert n == meta[kernels.M_HASH_ENTRIES], (n, meta[kernels.M_HASH_ENTRIES])
 
     def _grow(self) -> None:
         """Grow the node and/or hash capacity until one more token surely fits."""
         meta = self._meta
-        D = self._D
-        cap = int(meta[K.M_NCAP])
+        D = self._max_depth
+        cap = int(meta[kernels.M_NODE_CAP])
         newcap = cap
-        while newcap - meta[K.M_HWM] + meta[K.M_NFREE] < K.node_headroom(D):
+        while newcap - meta[kernels.M_HIGH_WATER] + meta[kernels.M_NUM_FREE] < kernels.node_headroom(D):
             newcap *= 2
-        hcap = int(meta[K.M_HCAP])
+        hcap = int(meta[kernels.M_HASH_CAP])
         newh = hcap
-        while meta[K.M_HENT] + K.hash_headroom(D) > newh // 2:
+        while meta[kernels.M_HASH_ENTRIES] + kernels.hash_headroom(D) > newh // 2:
             newh *= 2
         if newcap != cap or newh != hcap:
-            self._realloc(newcap, newh, int(meta[K.M_SCAP]), int(meta[K.M_PCAP]))
+            self._realloc(newcap, newh, int(meta[kernels.M_SEQ_CAP]), int(meta[kernels.M_POOL_CAP]))
 
     def _new_slot(self) -> int:
         if not self._free_slots:
-            n = int(self._meta[K.M_SCAP])
-            self._realloc(int(self._meta[K.M_NCAP]), int(self._meta[K.M_HCAP]), 2 * n, int(self._meta[K.M_PCAP]))
+            m = self._meta
+            n = int(m[kernels.M_SEQ_CAP])
+            self._realloc(int(m[kernels.M_NODE_CAP]), int(m[kernels.M_HASH_CAP]), 2 * n, int(m[kernels.M_POOL_CAP]))
             self._free_slots = list(range(2 * n - 1, n - 1, -1))
         slot = self._free_slots.pop()
-        row = self._sq[slot]
+        row = self._seq_table[slot]
         row[:] = 0
-        row[K.S_BASE] = self._ptop
-        row[K.S_STATE] = 1
+        row[kernels.S_BASE] = self._pool_top
+        row[kernels.S_STATE] = 1
         return slot
 
     def _reserve(self, slot: int, n: int) -> None:
         """Make room for ``n`` more tokens in ``slot``'s pool segment (moves it to the pool's end)."""
-        sq = self._sq
-        length = int(sq[slot, K.S_LEN])
-        cap = int(sq[slot, K.S_CAP])
+        seq_table = self._seq_table
+        length = int(seq_table[slot, kernels.S_LEN])
+        cap = int(seq_table[slot, kernels.S_CAP])
         if length + n <= cap:
             return
         newcap = max(_MIN_SEG, 2 * cap, length + n)
-        if self._ptop + newcap > self._pool.shape[0]:
-            if 3 * self._pgarb > self._ptop:  # a third or more is garbage: compact before growing
+        if self._pool_top + newcap > self._pool.shape[0]:
+            if 3 * self._pool_garbage > self._pool_top:  # a third or more is garbage: compact before growing
                 self._compact_pool()
             size = self._pool.shape[0]
-            while self._ptop + newcap > size:
+            while self._pool_top + newcap > size:
                 size *= 2
             if size != self._pool.shape[0]:
                 m = self._meta
-                self._realloc(int(m[K.M_NCAP]), int(m[K.M_HCAP]), int(m[K.M_SCAP]), size)
-                sq = self._sq
-        base = int(sq[slot, K.S_BASE])
-        self._pool[self._ptop : self._ptop + length] = self._pool[base : base + length]
-        sq[slot, K.S_BASE] = self._ptop
-        sq[slot, K.S_CAP] = newcap
-        self._pgarb += cap
-        self._ptop += newcap
+                self._realloc(int(m[kernels.M_NODE_CAP]), int(m[kernels.M_HASH_CAP]), int(m[kernels.M_SEQ_CAP]), size)
+                seq_table = self._seq_table
+        base = int(seq_table[slot, kernels.S_BASE])
+        self._pool[self._pool_top : self._pool_top + length] = self._pool[base : base + length]
+        seq_table[slot, kernels.S_BASE] = self._pool_top
+        seq_table[slot, kernels.S_CAP] = newcap
+        self._pool_garbage += cap
+        self._pool_top += newcap
 
     def _compact_pool(self) -> None:
         """Slide every stored and removed-but-referenced segment down over the garbage."""
-        sq = self._sq
-        used = sorted((int(sq[s, K.S_BASE]), s) for s in list(self._slots) + self._zombies)
+        seq_table = self._seq_table
+        used = sorted((int(seq_table[s, kernels.S_BASE]), s) for s in list(self._slots) + self._zombies)
         pool = self._pool
         top = 0
         for base, s in used:
-            cap = int(sq[s, K.S_CAP]) if sq[s, K.S_STATE] == 1 else int(sq[s, K.S_LEN])
-            length = int(sq[s, K.S_LEN])
+            cap = int(seq_table[s, kernels.S_CAP]) if seq_table[s, kernels.S_STATE] == 1 else int(seq_table[s, kernels.S_LEN])
+            length = int(seq_table[s, kernels.S_LEN])
             if base != top:
                 pool[top : top + length] = pool[base : base + length]  # top < base: safe overlap
-            sq[s, K.S_BASE] = top
-            sq[s, K.S_CAP] = cap
+            seq_table[s, kernels.S_BASE] = top
+            seq_table[s, kernels.S_CAP] = cap
             top += cap
-        self._ptop = top
-        self._pgarb = 0
+        self._pool_top = top
+        self._pool_garbage = 0
 
     def _insert(self, slot: int, arr: np.ndarray, weight: float) -> None:
         n = arr.shape[0]
-        r = K.extend(self._mem, slot, arr, weight)
+        r = kernels.append_tokens(self._buffer, slot, arr, weight)
         if r < 0:
             i = -r - 1
             raise ValueError(f"token {int(arr[i])} at index {i} is out of range [0, {VOCAB_LIMIT})")
@@ -284,7 +289,7 @@ class SuffixTree:
         while pos < n:
             self._reserve(slot, n - pos)
             self._grow()
-            pos += K.extend(self._mem, slot, arr[pos:], weight)
+            pos += kernels.append_tokens(self._buffer, slot, arr[pos:], weight)
 
     def _rebuild(self) -> None:
         """Rebuild the trie from the stored sequences (drops the removed ones' pooled tokens)."""
@@ -345,7 +350,7 @@ class SuffixTree:
             arr = as_tokens(tokens)
         n = arr.shape[0]
         if n:
-            r = K.extend(self._mem, s[0], arr, s[1])
+            r = kernels.append_tokens(self._buffer, s[0], arr, s[1])
             if r != n:
                 if r < 0:
                     raise ValueError(f"token {int(arr[-r - 1])} at index {-r - 1} is out of range [0, {VOCAB_LIMIT})")
@@ -369,26 +374,26 @@ class SuffixTree:
         if not self._seqs:
             self._reset()
             return
-        n = int(self._sq[slot, K.S_LEN])
+        n = int(self._seq_table[slot, kernels.S_LEN])
         if n:
-            ok = K.remove(self._mem, slot, w)
+            ok = kernels.remove_sequence(self._buffer, slot, w)
             assert ok, "suffix tree corrupted: a stored suffix was not found"
-        if self._meta[K.M_LIVE] == 1:  # no node references any pooled token of a removed sequence
-            self._sq[slot, K.S_STATE] = 0
-            self._pgarb += int(self._sq[slot, K.S_CAP])
+        if self._meta[kernels.M_LIVE_NODES] == 1:  # no node references any pooled token of a removed sequence
+            self._seq_table[slot, kernels.S_STATE] = 0
+            self._pool_garbage += int(self._seq_table[slot, kernels.S_CAP])
             self._free_slots.append(slot)
             for z in self._zombies:
-                self._sq[z, K.S_STATE] = 0
-                self._pgarb += int(self._sq[z, K.S_LEN])
+                self._seq_table[z, kernels.S_STATE] = 0
+                self._pool_garbage += int(self._seq_table[z, kernels.S_LEN])
                 self._free_slots.append(z)
             self._zombies = []
-            self._ztok = 0
+            self._zombie_tokens = 0
             return
-        self._sq[slot, K.S_STATE] = 2
+        self._seq_table[slot, kernels.S_STATE] = 2
         self._zombies.append(slot)
-        self._ztok += n
-        self._pgarb += int(self._sq[slot, K.S_CAP]) - n
-        if self._ztok > max(self.num_tokens, _REBUILD_MIN_TOKENS):
+        self._zombie_tokens += n
+        self._pool_garbage += int(self._seq_table[slot, kernels.S_CAP]) - n
+        if self._zombie_tokens > max(self.num_tokens, _REBUILD_MIN_TOKENS):
             self._rebuild()
 
     def scale(self, factor: float) -> None:
@@ -402,8 +407,8 @@ class SuffixTree:
         f = float(factor)
         if not (f > 0.0 and math.isfinite(f)):
             raise ValueError(f"scale factor must be a positive finite number, got {factor!r}")
-        hwm = int(self._meta[K.M_HWM])
-        self._wf[:hwm] *= f
+        hwm = int(self._meta[kernels.M_HIGH_WATER])
+        self._weights[:hwm] *= f
         for s in self._seqs.values():
             s[1] *= f
 
@@ -451,7 +456,7 @@ class SuffixTree:
             max_tokens, min_token_prob, max_spec_factor, min_match, prior
         )
         if type(context) is not np.ndarray or context.ndim != 1 or not (context.dtype is _I32 or context.dtype is _I64):
-            w = self._D - 1
+            w = self._max_depth - 1
             context = as_tokens(context[-w:] if w else (), "context")
         return self._draft(context, max_tokens, min_token_prob, max_spec_factor, min_match, prior)
 
@@ -461,12 +466,13 @@ class SuffixTree:
         if max_tokens == 0:
             return _EMPTY_DRAFT
         n = context.shape[0]
-        if n >= self._D:
-            context = context[n - self._D + 1 :]
+        if n >= self._max_depth:
+            context = context[n - self._max_depth + 1 :]
         if not context.flags.c_contiguous:
             context = np.ascontiguousarray(context)
         buf = self._scratch(max_tokens)
-        off, k, score, mlen = K.draft(self._mem, context, max_tokens, min_prob, factor, min_match, prior, buf[0], buf[1])
+        off, k, score, mlen = kernels.draft_context(self._buffer, context, max_tokens, min_prob, factor, min_match, prior, buf[0],
+                                                    buf[1])
         if k == 0:
             return _EMPTY_DRAFT
         return _new_tuple(Draft, (buf[0][off : off + k].copy(), buf[1][off : off + k].copy(), score, mlen))
@@ -499,23 +505,24 @@ class SuffixTree:
                     prior: float = 0.0) -> Draft:
         if max_tokens == 0:
             return _EMPTY_DRAFT
-        buf = self._buf
+        buf = self._draft_buf
         if buf[0].shape[0] < 4 * max_tokens:
             buf = self._scratch(max_tokens)
-        off, k, score, mlen = K.draft_seq(self._mem, slot, max_tokens, min_prob, factor, min_match, prior, buf[0], buf[1])
+        off, k, score, mlen = kernels.draft_sequence(self._buffer, slot, max_tokens, min_prob, factor, min_match, prior, buf[0],
+                                                     buf[1])
         if k == 0:
             return _EMPTY_DRAFT
         return _new_tuple(Draft, (buf[0][off : off + k].copy(), buf[1][off : off + k].copy(), score, mlen))
 
     def _scratch(self, max_tokens: int):
-        buf = self._buf
+        buf = self._draft_buf
         if buf[0].shape[0] < 4 * max_tokens:
             m = max(4 * max_tokens, 64)
-            buf = self._buf = (np.empty(m, np.int32), np.empty(m, np.float32))
+            buf = self._draft_buf = (np.empty(m, np.int32), np.empty(m, np.float32))
         return buf
 
     def _locus(self, pattern):
-        return K.find(self._mem, as_tokens(pattern, "pattern"))
+        return kernels.find_locus(self._buffer, as_tokens(pattern, "pattern"))
 
     def count(self, pattern) -> float:
         """Weighted occurrence count of the token string ``pattern`` (1-D integer array-like).
@@ -524,12 +531,12 @@ class SuffixTree:
         for strings longer than ``max_depth`` (not stored).
         """
         u, _ = self._locus(pattern)
-        return float(self._wf[u, 0]) if u >= 0 else 0.0
+        return float(self._weights[u, 0]) if u >= 0 else 0.0
 
     def raw_count(self, pattern) -> int:
         """Unweighted occurrence count of ``pattern`` (0 if absent or longer than ``max_depth``)."""
         u, _ = self._locus(pattern)
-        return int(self._nd[u, K.C_COUNT]) if u >= 0 else 0
+        return int(self._nodes[u, kernels.C_COUNT]) if u >= 0 else 0
 
     def continuations(self, pattern) -> dict[int, float]:
         """``{token: count(pattern + [token])}`` for every token that follows ``pattern``.
@@ -537,9 +544,9 @@ class SuffixTree:
         Empty when ``pattern`` is absent or has length ``>= max_depth``.
         """
         u, d = self._locus(pattern)
-        if u < 0 or d >= self._D:
+        if u < 0 or d >= self._max_depth:
             return {}
-        toks, ws = K.children(self._mem, u, d)
+        toks, ws = kernels.locus_continuations(self._buffer, u, d)
         return {int(t): float(x) for t, x in zip(toks, ws)}
 
     def best_continuation(self, pattern) -> int | None:
@@ -552,7 +559,7 @@ class SuffixTree:
         s = self._seqs.get(seq_id)
         if s is None:
             raise KeyError(f"unknown sequence id {seq_id!r}")
-        base, n = int(self._sq[s[0], K.S_BASE]), int(self._sq[s[0], K.S_LEN])
+        base, n = int(self._seq_table[s[0], kernels.S_BASE]), int(self._seq_table[s[0], kernels.S_LEN])
         return self._pool[base : base + n].copy()
 
     def seq_len(self, seq_id: int) -> int:
@@ -560,7 +567,7 @@ class SuffixTree:
         s = self._seqs.get(seq_id)
         if s is None:
             raise KeyError(f"unknown sequence id {seq_id!r}")
-        return int(self._sq[s[0], K.S_LEN])
+        return int(self._seq_table[s[0], kernels.S_LEN])
 
     def weight(self, seq_id: int) -> float:
         """Current weight of sequence ``seq_id`` (after any :meth:`scale`). Raises KeyError if unknown."""
@@ -568,6 +575,54 @@ class SuffixTree:
         if s is None:
             raise KeyError(f"unknown sequence id {seq_id!r}")
         return s[1]
+
+    # ------------------------------------------------------------------ kernel access
+    @property
+    def buffer(self) -> np.ndarray:
+        """The trie's storage: one C-contiguous ``np.int64`` array holding the nodes, their weighted
+        counts, the hash table, the sequence table and the token pool (layout: :mod:`das._trie_kernels`,
+        whose kernels take it as ``mem``; a sequence is named there by its :meth:`slot`).
+
+        The tree moves to a new array whenever it grows, is rebuilt or is emptied, and the old one
+        is then stale: read this again after any change, or register :meth:`set_buffer_listener`.
+        Change it only through those kernels.
+        """
+        return self._buffer
+
+    def set_buffer_listener(self, listener: Callable[[np.ndarray], object] | None) -> None:
+        """Have ``listener(buffer)`` called with the new :attr:`buffer` every time the trie moves
+        to one (growth, rebuild, reset), before the call that moved it returns; ``None`` removes the
+        listener. A tree has at most one (a new one replaces the old). An owner that keeps the
+        buffer for batch kernels (:class:`das.drafter.DASDrafter`'s tree table) never holds a
+        stale one this way. Not called now: read :attr:`buffer` for the current one.
+        """
+        self._buffer_listener = listener
+
+    def slot(self, seq_id: int) -> int:
+        """Row (``int >= 0``) of sequence ``seq_id`` in the trie's sequence table: the ``s`` that
+        the kernels of :mod:`das._trie_kernels` take for it. A :meth:`remove` may rebuild the trie,
+        which moves the other sequences to new rows: read it again after a removal.
+
+        Raises:
+            KeyError: unknown (or removed) ``seq_id``.
+        """
+        s = self._seqs.get(seq_id)
+        if s is None:
+            raise KeyError(f"unknown sequence id {seq_id!r}")
+        return s[0]
+
+    def slot_and_weight(self, seq_id: int) -> tuple[int, float]:
+        """``(slot(seq_id), weight(seq_id))`` in one lookup: the sequence's row in the sequence
+        table (``int``) and its current weight (``float > 0``, the weight the kernels append its
+        tokens with).
+
+        Raises:
+            KeyError: unknown (or removed) ``seq_id``.
+        """
+        s = self._seqs.get(seq_id)
+        if s is None:
+            raise KeyError(f"unknown sequence id {seq_id!r}")
+        return s[0], s[1]
 
     def __contains__(self, seq_id) -> bool:
         return seq_id in self._seqs
@@ -578,26 +633,26 @@ class SuffixTree:
     @property
     def max_depth(self) -> int:
         """Longest stored string, in tokens."""
-        return self._D
+        return self._max_depth
 
     @property
     def num_nodes(self) -> int:
         """Live nodes, the root excluded (a node ends an edge, which may hold several tokens)."""
-        return int(self._meta[K.M_LIVE]) - 1
+        return int(self._meta[kernels.M_LIVE_NODES]) - 1
 
     @property
     def num_strings(self) -> int:
         """Distinct stored strings (lengths 1..max_depth): the tokens on all edges. Slow (scans)."""
-        nd = self._nd
-        hwm = int(self._meta[K.M_HWM])
-        live = nd[1:hwm, K.C_PARENT] != -1
-        par = nd[1:hwm, K.C_PARENT][live]
-        return int((nd[1:hwm, K.C_DEPTH][live] - nd[par, K.C_DEPTH]).sum())
+        nodes = self._nodes
+        hwm = int(self._meta[kernels.M_HIGH_WATER])
+        live = nodes[1:hwm, kernels.C_PARENT] != -1
+        par = nodes[1:hwm, kernels.C_PARENT][live]
+        return int((nodes[1:hwm, kernels.C_DEPTH][live] - nodes[par, kernels.C_DEPTH]).sum())
 
     @property
     def num_tokens(self) -> int:
         """Tokens stored over all sequences."""
-        return int(self._meta[K.M_NTOK])
+        return int(self._meta[kernels.M_NUM_TOKENS])
 
     @property
     def num_sequences(self) -> int:
@@ -607,90 +662,92 @@ class SuffixTree:
     @property
     def nbytes(self) -> int:
         """Bytes held by the trie's buffer (nodes, counts, hash table, sequences, pool) and scratch."""
-        return self._mem.nbytes + sum(b.nbytes for b in self._buf)
+        return self._buffer.nbytes + sum(b.nbytes for b in self._draft_buf)
 
     def check_invariants(self) -> None:
         """Slow consistency check of the arrays (for tests); raises AssertionError on corruption."""
-        nd, wf, meta, D, sq, pool = self._nd, self._wf, self._meta, self._D, self._sq, self._pool
-        hwm = int(meta[K.M_HWM])
-        live = [0] + [i for i in range(1, hwm) if nd[i, K.C_PARENT] != -1]
-        assert len(live) == meta[K.M_LIVE], (len(live), meta[K.M_LIVE])
+        nodes, weights, meta, D = self._nodes, self._weights, self._meta, self._max_depth
+        seq_table, pool = self._seq_table, self._pool
+        hwm = int(meta[kernels.M_HIGH_WATER])
+        live = [0] + [i for i in range(1, hwm) if nodes[i, kernels.C_PARENT] != -1]
+        assert len(live) == meta[kernels.M_LIVE_NODES], (len(live), meta[kernels.M_LIVE_NODES])
         free = set()
-        f = int(meta[K.M_FREE])
+        f = int(meta[kernels.M_FREE_HEAD])
         while f != -1:
             assert f not in free
             free.add(f)
-            f = int(nd[f, K.C_NEXT])
-        assert len(free) == meta[K.M_NFREE] and len(free) + len(live) == hwm
+            f = int(nodes[f, kernels.C_NEXT])
+        assert len(free) == meta[kernels.M_NUM_FREE] and len(free) + len(live) == hwm
         for slot, sid in self._slots.items():
-            assert self._seqs[sid][0] == slot and sq[slot, K.S_STATE] == 1
+            assert self._seqs[sid][0] == slot and seq_table[slot, kernels.S_STATE] == 1
         for z in self._zombies:
-            assert sq[z, K.S_STATE] == 2
-        assert self._ztok == sum(int(sq[z, K.S_LEN]) for z in self._zombies)
-        assert self.num_tokens == sum(int(sq[s, K.S_LEN]) for s in self._slots)
+            assert seq_table[z, kernels.S_STATE] == 2
+        assert self._zombie_tokens == sum(int(seq_table[z, kernels.S_LEN]) for z in self._zombies)
+        assert self.num_tokens == sum(int(seq_table[s, kernels.S_LEN]) for s in self._slots)
         # segments lie inside the pool and do not overlap
-        segs = sorted((int(sq[s, K.S_BASE]), int(sq[s, K.S_CAP] if sq[s, K.S_STATE] == 1 else sq[s, K.S_LEN]))
+        segs = sorted((int(seq_table[s, kernels.S_BASE]),
+                       int(seq_table[s, kernels.S_CAP] if seq_table[s, kernels.S_STATE] == 1 else seq_table[s, kernels.S_LEN]))
                       for s in list(self._slots) + self._zombies)
         top = 0
         for base, cap in segs:
-            assert base >= top and base + cap <= self._ptop <= pool.shape[0]
+            assert base >= top and base + cap <= self._pool_top <= pool.shape[0]
             top = base + cap
 
         def label(u):
-            p = int(nd[u, K.C_PARENT])
-            s, e = int(nd[u, K.C_SEQ]), int(nd[u, K.C_IDX])
-            n = int(nd[u, K.C_DEPTH] - nd[p, K.C_DEPTH])
+            p = int(nodes[u, kernels.C_PARENT])
+            s, e = int(nodes[u, kernels.C_SEQ]), int(nodes[u, kernels.C_IDX])
+            n = int(nodes[u, kernels.C_DEPTH] - nodes[p, kernels.C_DEPTH])
             i = e - n
-            assert sq[s, K.S_STATE] in (1, 2) and 0 <= i and i + n <= sq[s, K.S_LEN], (u, s, i, n)
-            b = int(sq[s, K.S_BASE])
+            assert seq_table[s, kernels.S_STATE] in (1, 2) and 0 <= i and i + n <= seq_table[s, kernels.S_LEN], (u, s, i, n)
+            b = int(seq_table[s, kernels.S_BASE])
             return tuple(int(x) for x in pool[b + i : b + i + n])
 
         strings = {0: ()}
-        order = sorted(live[1:], key=lambda u: nd[u, K.C_DEPTH])
+        order = sorted(live[1:], key=lambda u: nodes[u, kernels.C_DEPTH])
         for u in order:
-            p = int(nd[u, K.C_PARENT])
+            p = int(nodes[u, kernels.C_PARENT])
             lab = label(u)
-            assert len(lab) >= 1 and lab[0] == nd[u, K.C_TOKEN]
+            assert len(lab) >= 1 and lab[0] == nodes[u, kernels.C_TOKEN]
             strings[u] = strings[p] + lab
-            assert len(strings[u]) == nd[u, K.C_DEPTH] <= D
+            assert len(strings[u]) == nodes[u, kernels.C_DEPTH] <= D
         hent = 0
         for u in live:
             kids = []
-            c = int(nd[u, K.C_FIRST])
+            c = int(nodes[u, kernels.C_FIRST])
             prev = -1
             while c != -1:
-                assert nd[c, K.C_PARENT] == u and nd[c, K.C_PREV] == prev
-                assert nd[c, K.C_DEPTH] > nd[u, K.C_DEPTH]
+                assert nodes[c, kernels.C_PARENT] == u and nodes[c, kernels.C_PREV] == prev
+                assert nodes[c, kernels.C_DEPTH] > nodes[u, kernels.C_DEPTH]
                 kids.append(c)
-                prev, c = c, int(nd[c, K.C_NEXT])
-            assert len(kids) == nd[u, K.C_NCHILD]
-            assert len({int(nd[c, K.C_TOKEN]) for c in kids}) == len(kids)
-            assert nd[u, K.C_COUNT] >= sum(int(nd[c, K.C_COUNT]) for c in kids)
-            wsum = sum(float(wf[c, 0]) for c in kids)
-            assert abs(wf[u, 1] - wsum) <= 1e-9 * max(1.0, abs(wsum)), (u, wf[u, 1], wsum)
+                prev, c = c, int(nodes[c, kernels.C_NEXT])
+            assert len(kids) == nodes[u, kernels.C_NCHILD]
+            assert len({int(nodes[c, kernels.C_TOKEN]) for c in kids}) == len(kids)
+            assert nodes[u, kernels.C_COUNT] >= sum(int(nodes[c, kernels.C_COUNT]) for c in kids)
+            wsum = sum(float(weights[c, 0]) for c in kids)
+            assert abs(weights[u, 1] - wsum) <= 1e-9 * max(1.0, abs(wsum)), (u, weights[u, 1], wsum)
             if u != 0:
-                assert nd[u, K.C_COUNT] > 0
-                if nd[u, K.C_COUNT] == 1:
+                assert nodes[u, kernels.C_COUNT] > 0
+                if nodes[u, kernels.C_COUNT] == 1:
                     assert len(kids) <= 1
                 best = -1
                 for c in kids:
-                    if best < 0 or (wf[c, 0], -nd[c, K.C_TOKEN]) > (wf[best, 0], -nd[best, K.C_TOKEN]):
+                    if best < 0 or (weights[c, 0], -nodes[c, kernels.C_TOKEN]) > (weights[best, 0], -nodes[best, kernels.C_TOKEN]):
                         best = c
-                assert nd[u, K.C_BEST] == best, (u, nd[u, K.C_BEST], best)
-            if nd[u, K.C_HASHED] == 1:
+                assert nodes[u, kernels.C_BEST] == best, (u, nodes[u, kernels.C_BEST], best)
+            if nodes[u, kernels.C_HASHED] == 1:
                 for c in kids:
-                    key = (u << K.TOKEN_BITS) | int(nd[c, K.C_TOKEN])
-                    assert K._hash_find(self._ht, meta[K.M_HSHIFT], np.int64(key)) == c
+                    key = (u << kernels.TOKEN_BITS) | int(nodes[c, kernels.C_TOKEN])
+                    assert kernels.hash_lookup(self._hash_table, meta[kernels.M_HASH_SHIFT], np.int64(key)) == c
                 hent += len(kids)
-        assert hent == meta[K.M_HENT], (hent, meta[K.M_HENT])
-        assert int((self._ht[:, 0] != -1).sum()) == hent
+        assert hent == meta[kernels.M_HASH_ENTRIES], (hent, meta[kernels.M_HASH_ENTRIES])
+        assert int((self._hash_table[:, 0] != -1).sum()) == hent
         # every stored sequence's active loci end exactly at its suffixes
         for slot in self._slots:
-            n = int(sq[slot, K.S_LEN])
-            b = int(sq[slot, K.S_BASE])
+            n = int(seq_table[slot, kernels.S_LEN])
+            b = int(seq_table[slot, kernels.S_BASE])
             toks = tuple(int(x) for x in pool[b : b + n])
             for d in range(0, min(n, D) + 1):
-                u = int(sq[slot, K.S_ACT + d])
+                u = int(seq_table[slot, kernels.S_LOCI + d])
                 assert u in strings and strings[u] == toks[n - d :], (slot, d)
 
 

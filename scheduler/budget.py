@@ -19,8 +19,9 @@ gives the optimality condition (Eq. 9) ``c_base = c_tok * sum_{r_i > N} -dp_i/dN
 bracketing the root (it falls monotonically in ``N``). ``p_i`` is spent at a constant rate ``p_i / N`` draft tokens per step (the request's
 passes under the plan are ``N``), which is exactly Eq. 3 per step (:func:`tokens_per_step`).
 
-Eq. 7 as transcribed in ../shared/REFERENCES.md, ``p_i = -(l_i/a_i) ln(1 - k_i (1 - N/l_i))``, is
-not the inverse of Eq. 4 as written there: with it a request would need
+Eq. 7 of DAS (arXiv 2511.13841) as we transcribed it, ``p_i = -(l_i/a_i) ln(1 - k_i (1 - N/l_i))``,
+is not the inverse of Eq. 4 (``N_i = l_i (1 - k_i + k_i exp(-a_i p_i / l_i))``, see
+:mod:`scheduler.acceptance`): with it a request would need
 ``l_i (1 - k_i^2) + k_i^2 N > N`` passes. ``form="exact"`` (default) inverts Eq. 4:
 ``p_i = -(l_i/a_i) ln(1 - (1 - N/l_i) / k_i)`` for ``l_i (1 - k_i) < N < l_i``, with
 ``-dp_i/dN = 1 / (a_i (k_i - 1 + N/l_i))`` in Eq. 9; ``form="paper"`` uses the transcribed

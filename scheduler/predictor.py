@@ -1,7 +1,8 @@
 """Length predictor for rollouts: per-problem history, Short/Medium/Long classes, run-time update.
 
-DAS (arXiv 2511.13841, ../shared/REFERENCES.md): a request's initial class is the majority class
-among its problem's historical rollouts; at run time it is updated to
+DAS ("Beat the long tail: Distribution-Aware Speculative Decoding for RL Training", arXiv
+2511.13841; its deployed policy): a request's initial class is the majority class among its
+problem's historical rollouts; at run time it is updated to
 ``argmax_c P(c | length so far, initial class)`` estimated from history. Here:
 
 * History: per problem, the output lengths (tokens) of its rollouts per policy version; only the

@@ -128,7 +128,7 @@ def test_request_tree_wins_when_it_scores_higher():
 
 
 def test_ties_go_to_the_problem_tree():
-    from das import _trie_kernels as K
+    from das import _trie_kernels as kernels
     from das.suffix_tree import SuffixTree
 
     d = DASDrafter(**PLAIN)
@@ -140,11 +140,24 @@ def test_ties_go_to_the_problem_tree():
     a, b = SuffixTree(8), SuffixTree(8)
     a.add([7, 1, 2, 3])
     b.add([7, 1, 2, 4])
-    sa, sb = a._seqs[a.add([7, 1, 2])][0], b._seqs[b.add([7, 1, 2])][0]
+    sa, sb = a.slot(a.add([7, 1, 2])), b.slot(b.add([7, 1, 2]))
     out_t, out_p = np.empty(16, np.int32), np.empty(16, np.float32)
     for (x, sx, tx), (y, sy, _ty) in (((a, sa, 3), (b, sb, 4)), ((b, sb, 4), (a, sa, 3))):
-        off, k, score, mlen = K.draft2(x._mem, sx, 0.0, y._mem, sy, 0.0, 4, 0.1, 1.0, out_t, out_p)
+        off, k, score, mlen = kernels.draft_two_trees(x.buffer, sx, 0.0, y.buffer, sy, 0.0, 4, 0.1, 1.0, out_t, out_p)
         assert out_t[off : off + k].tolist() == [tx] and score == 1.0 and mlen == 3
+
+
+def test_request_sequences_name_what_a_request_drafts_from():
+    d = DASDrafter(**PLAIN)
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [5, 6, 7])
+    (pt, ps), (rt, rs) = d.request_sequences("r")
+    assert pt is d.problem_tree(problem_id(PROMPT))
+    assert pt.sequence(ps).tolist() == PROMPT + [5, 6, 7] and rt.sequence(rs).tolist() == PROMPT + [5, 6, 7]
+    d.evict_problem(problem_id(PROMPT))
+    assert [tree for tree, _ in d.request_sequences("r")] == [rt]
+    with pytest.raises(KeyError):
+        d.request_sequences("never")
 
 
 def test_stop_request_keeps_the_rollout_and_is_idempotent():

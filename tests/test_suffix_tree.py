@@ -248,7 +248,7 @@ def test_rebuild_after_removals_keeps_counts_and_live_sequences(sc, data):
     finally:
         T._REBUILD_MIN_TOKENS = old
     assert_same(tree, orc, vocab)
-    assert tree._ztok <= max(tree.num_tokens, 0) or not tree._zombies
+    assert tree._zombie_tokens <= max(tree.num_tokens, 0) or not tree._zombies
     for sid in orc.seqs:
         assert tree.sequence(sid).tolist() == orc.seqs[sid][0]
         ctx = orc.seqs[sid][0]
@@ -423,3 +423,32 @@ def test_scale_keeps_drafts_and_weights():
     assert t.count([1, 2]) == pytest.approx(4e-3)
     t.remove(a)
     assert t.num_nodes == 0 and t.count([]) == 0.0
+
+
+def test_kernel_access_slots_buffer_and_listener():
+    from das import _trie_kernels as kernels
+
+    t = SuffixTree(4)
+    a = t.add([1, 2, 3], weight=2.0)
+    b = t.add([4, 5])
+    assert t.slot_and_weight(a) == (t.slot(a), 2.0) and t.slot(a) != t.slot(b)
+    buf = t.buffer
+    assert buf.dtype == np.int64 and buf.ndim == 1 and buf.flags.c_contiguous
+    seen = []
+    t.set_buffer_listener(seen.append)
+    t.extend(b, np.arange(2000) % 7)  # outgrows the initial capacity: the trie moves
+    assert seen and seen[-1] is t.buffer and t.buffer is not buf
+    # the kernels draft from (buffer, slot) exactly what draft_seq returns
+    out_t, out_p = np.empty(64, np.int32), np.empty(64, np.float32)
+    off, k, score, mlen = kernels.draft_sequence(t.buffer, t.slot(b), 8, 0.0, 2.0, 1, 0.0, out_t, out_p)
+    want = t.draft_seq(b, 8, 0.0, 2.0)
+    assert out_t[off : off + k].tolist() == want.tokens.tolist() and score == want.score and k > 0
+    t.set_buffer_listener(None)
+    n = len(seen)
+    t.extend(b, np.arange(4000) % 11)
+    assert len(seen) == n
+    t.remove(a)
+    with pytest.raises(KeyError):
+        t.slot(a)
+    with pytest.raises(KeyError):
+        t.slot_and_weight(a)
