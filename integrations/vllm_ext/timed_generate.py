@@ -54,11 +54,10 @@ class BatchTimeline:
         """
         if not 0.0 < done_fraction <= 1.0:
             raise ValueError(f"done_fraction must be in (0, 1], got {done_fraction!r}")
-        ends = np.sort([r.finished_s for r in self.rollouts])
-        if len(ends) == 0:
+        ends = [r.finished_s for r in self.rollouts]
+        if not ends:
             return 0.0
-        k = max(0, int(np.ceil(done_fraction * len(ends))) - 1)
-        return float(ends[-1] - ends[k])
+        return float(np.max(ends) - np.quantile(ends, done_fraction, method="inverted_cdf"))
 
 
 def generate_timed(llm: Any, prompts: list[list[int]], params: list[Any]) -> BatchTimeline:
