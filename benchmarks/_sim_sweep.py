@@ -189,14 +189,13 @@ def print_sweep(sw: dict) -> None:
         f"sweep (placement split, {sw['seeds']} seeds, drafter {sw['drafter_ms_per_256']} ms/step at 256 rows): makespan s, cut vs none, "
         "break-even drafter ms/step at 256 rows, drafter share of class-roofline's makespan"
     )
-    print(f"{'GPUs':>6}{'per GPU':>8}{'none s':>14}{'fixed':>18}{'class-roofline':>20}{'break-even ms':>15}{'drafter share':>15}")
-    for r in sw["points"]:
-        print(
-            f"{r['gpus']:>6}{r['per_gpu']:>8}{r['none_s']:>8.1f}+-{r['none_s_ci95']:<4.1f}"
-            f"{100 * r['fixed_cut']:>11.1f}+-{100 * r['fixed_cut_ci95']:<4.1f}%"
-            f"{100 * r['class-roofline_cut']:>13.1f}+-{100 * r['class-roofline_cut_ci95']:<4.1f}%"
-            f"{r['class-roofline_breakeven_drafter_ms_per_256']:>15.0f}{100 * r['class-roofline_drafter_share']:>14.2f}%"
-        )
+    from tabulate import tabulate
+
+    rows = [[r["gpus"], r["per_gpu"], f"{r['none_s']:.1f}+-{r['none_s_ci95']:.1f}", f"{100 * r['fixed_cut']:.1f}+-{100 * r['fixed_cut_ci95']:.1f}%",
+             f"{100 * r['class-roofline_cut']:.1f}+-{100 * r['class-roofline_cut_ci95']:.1f}%", float(r["class-roofline_breakeven_drafter_ms_per_256"]),
+             f"{100 * r['class-roofline_drafter_share']:.2f}%"] for r in sw["points"]]
+    print(tabulate(rows, ["GPUs", "per GPU", "none s", "fixed", "class-roofline", "break-even ms", "drafter share"], floatfmt=".0f",
+                   colalign=["right"] * 7))
     c = sw["pruning_check"]
     print(f"pruning check ({c['gpus']} GPUs x {c['per_gpu']}): " + ", ".join(f"{p} {c[p]['pruned_s']:.1f} vs {c[p]['all_gpus_s']:.1f} s" for p in SWEEP_POLICIES))
 

@@ -39,17 +39,18 @@ def synthetic_rollouts(n_problems: int = 256, n_samples: int = 8, versions: int 
 
 
 def print_report(out: dict[str, Any]) -> None:
+    from tabulate import tabulate
+
     b1, b2 = out["bounds"]
     print(f"classes: short < {b1:.0f} <= medium < {b2:.0f} <= long (tokens)")
-    print(f"{'after x tokens':<15}{'method':<18}{'n':>7}{'MAE':>8}{'rel err':>9}{'bias':>8}{'spearman':>9}")
-    for x, methods in out["checkpoints"].items():
-        for m, r in methods.items():
-            print(f"{x:<15}{m:<18}{r['n']:>7}{r['mae']:>8.0f}{r['mean_rel_err']:>9.2f}{r['bias']:>8.0f}{r['spearman']:>9.2f}")
+    rows = [[x, m, r["n"], float(r["mae"]), float(r["mean_rel_err"]), float(r["bias"]), float(r["spearman"])]
+            for x, methods in out["checkpoints"].items() for m, r in methods.items()]
+    print(tabulate(rows, ["after x tokens", "method", "n", "MAE", "rel err", "bias", "spearman"], floatfmt=["", "", "", ".0f", ".2f", ".0f", ".2f"],
+                   colalign=["left", "left"], disable_numparse=[0]))
     for key, cm in out["confusion"].items():
         label = "initial class" if key == "initial" else f"class after {key} tokens"
         print(f"{label} (rows true, cols predicted {'/'.join(CLASS_NAMES)}), accuracy {out['class_accuracy'][key]:.2f}")
-        for name, row in zip(CLASS_NAMES, cm):
-            print(f"  {name:<7}" + "".join(f"{v:>7d}" for v in row))
+        print(tabulate([[name, *(int(v) for v in row)] for name, row in zip(CLASS_NAMES, cm)], ["", *CLASS_NAMES]))
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -367,55 +368,47 @@ def targets(drafters: dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    cols = [("acc_len", "acceptance_length", "{:.3f}"), ("steps/roll", "steps_per_rollout", "{:.1f}"),
-            ("steps/long10", "steps_per_rollout_longest10", "{:.1f}"), ("makespan", "makespan_steps", "{:d}"),
-            ("draft/acc", "drafted_per_accepted", "{:.2f}"), ("p50_us", "propose_us_p50", "{:.2f}"),
-            ("p99_us", "propose_us_p99", "{:.2f}"), ("ins_ns/tok", "insert_ns_per_token", "{:.0f}"),
-            ("B/tok", "bytes_per_token", "{:.0f}")]
+    """The report as text: headline table, acceptance per iteration, grid, hindsight bound, targets, scale (tabulate)."""
+    from tabulate import tabulate
 
-    def row(label, e):
-        cells = []
-        for h, key, fmt in cols:
-            v = e.get(key)
-            cells.append(f"{(fmt.format(v) if v is not None else '-'):>{max(len(h), 8)}}")
-        return f"{label:<30} " + " ".join(cells)
+    cols = [("acc_len", "acceptance_length", ".3f"), ("steps/roll", "steps_per_rollout", ".1f"),
+            ("steps/long10", "steps_per_rollout_longest10", ".1f"), ("makespan", "makespan_steps", "d"),
+            ("draft/acc", "drafted_per_accepted", ".2f"), ("p50_us", "propose_us_p50", ".2f"),
+            ("p99_us", "propose_us_p99", ".2f"), ("ins_ns/tok", "insert_ns_per_token", ".0f"),
+            ("B/tok", "bytes_per_token", ".0f")]
 
-    head = f"{'drafter':<30} " + " ".join(f"{h:>{max(len(h), 8)}}" for h, _, _ in cols)
-    lines = [f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, {report['trace']['tokens']} tokens, "
-             f"{report['trace']['iterations']} iterations)", "", f"K = {report['k']}", head, "-" * len(head)]
-    for name, e in report["drafters"].items():
-        lines.append(row(name, e))
-    per_it = {name: [x["acceptance_length"] for x in e["iterations"]] for name, e in report["drafters"].items()}
-    lines += ["", "acceptance length per iteration:"]
-    for name, xs in per_it.items():
-        lines.append(f"  {name:<28} " + " ".join(f"{x:.3f}" for x in xs))
+    def table(label: str, entries: list[tuple[str, dict[str, Any]]]) -> str:
+        rows = [[name] + [None if e.get(key) is None else float(e[key]) if fmt != "d" else int(e[key]) for _, key, fmt in cols]
+                for name, e in entries]
+        return tabulate(rows, [label] + [h for h, _, _ in cols], floatfmt=[""] + [f for _, _, f in cols], missingval="-")
+
+    trace = report["trace"]
+    lines = [f"trace: {trace['path']} ({trace['rollouts']} rollouts, {trace['tokens']} tokens, {trace['iterations']} iterations)", "",
+             f"K = {report['k']}", table("drafter", list(report["drafters"].items()))]
+    per_it = [[name] + [x["acceptance_length"] for x in e["iterations"]] for name, e in report["drafters"].items()]
+    n_it = max((len(r) - 1 for r in per_it), default=0)
+    lines += ["", "acceptance length per iteration:", tabulate(per_it, ["drafter"] + [str(i) for i in range(n_it)], floatfmt=".3f")]
     if report.get("grid"):
-        lines += ["", "grid (K; DAS window W; drafting rules: spec factor f, min token prob mp, prior pr):",
-                  head.replace("drafter" + " " * 23, "drafter / setting".ljust(30)), "-" * len(head)]
-        for e in report["grid"]:
-            cfg = e["config"]
-            short = {"window": "W", "max_spec_factor": "f", "min_token_prob": "mp", "prior": "pr"}
-            label = f"{e['drafter'].replace('arctic_suffix', 'arctic')} K={e['k']}" + "".join(
-                f" {short.get(a, a)}={v:g}" for a, v in cfg.items())
-            lines.append(row(label, e))
+        short = {"window": "W", "max_spec_factor": "f", "min_token_prob": "mp", "prior": "pr"}
+        entries = [(f"{e['drafter'].replace('arctic_suffix', 'arctic')} K={e['k']}"
+                    + "".join(f" {short.get(a, a)}={v:g}" for a, v in e["config"].items()), e) for e in report["grid"]]
+        lines += ["", "grid (K; DAS window W; drafting rules: spec factor f, min token prob mp, prior pr):", table("drafter / setting", entries)]
     if report.get("hindsight_bound"):
         h = report["hindsight_bound"]
         lines += ["", f"hindsight bound (DAS trees, K={h['k']}, every anchor walked to K tokens, the one that matches the "
                       f"real continuation longest): acceptance {h['acceptance_length']:.3f}, per iteration "
                       + " ".join(f"{x['acceptance_length']:.3f}" for x in h["iterations"])]
     if report.get("targets"):
-        lines += ["", "targets (DAS vs arctic-inference, same trace, K and depth):"]
-        for metric, t in report["targets"].items():
-            status = "met" if t["met"] else f"MISSED by {t['gap']:+g}"
-            lines.append(f"  {metric:<22} das {t['das']:<10g} arctic {t['arctic_suffix']:<10g} ratio {t['ratio']:<7g} "
-                         f"(target {t['target']}): {status}")
+        rows = [[metric, t["das"], t["arctic_suffix"], t["ratio"], t["target"], "met" if t["met"] else f"MISSED by {t['gap']:+g}"]
+                for metric, t in report["targets"].items()]
+        lines += ["", "targets (DAS vs arctic-inference, same trace, K and depth):",
+                  tabulate(rows, ["metric", "das", "arctic", "ratio", "target", "status"], floatfmt="g", disable_numparse=[4, 5])]
     if report.get("scale"):
+        rows = [[name, p["tokens"], float(p["insert_ns_per_token"]), float(p["propose_us_p50"]), float(p["propose_us_p99"]), p["bytes_per_token"]]
+                for name, pts in report["scale"]["trees"].items() for p in pts]
         lines += ["", "scale (raw trees, depth 24, synthetic stream):",
-                  f"  {'tree':<8} {'tokens':>10} {'insert_ns/tok':>14} {'propose_us_p50':>15} {'propose_us_p99':>15} {'B/tok':>8}"]
-        for name, pts in report["scale"]["trees"].items():
-            for p in pts:
-                lines.append(f"  {name:<8} {p['tokens']:>10} {p['insert_ns_per_token']:>14.0f} {p['propose_us_p50']:>15.2f} "
-                             f"{p['propose_us_p99']:>15.2f} {p['bytes_per_token'] if p['bytes_per_token'] is not None else '-':>8}")
+                  tabulate(rows, ["tree", "tokens", "insert_ns/tok", "propose_us_p50", "propose_us_p99", "B/tok"],
+                           floatfmt=["", "", ".0f", ".2f", ".2f", ""], missingval="-")]
     return "\n".join(lines)
 
 
@@ -426,7 +419,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.replay", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None, help="rollout trace (parquet); default: the cached DSR-sub trace, recorded if missing")
     p.add_argument("--json", default=None, help="write the report here")
-    p.add_argument("--plot", default=None, help="write an SVG plot here (default: next to --json)")
+    p.add_argument("--plot", default=None, help="write a PNG plot here (matplotlib; default: next to --json)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --plot files (else refuse before running)")
     p.add_argument("--k", type=int, default=DEFAULT_K, help="K (most draft tokens per step) of the headline comparison")
     p.add_argument("--grid-k", default="4,8,16,32", help="K values of the grid ('' for none)")
@@ -455,7 +448,13 @@ def main(argv=None) -> int:
             CONFIGS[name] = json.loads(text)
     from integrations.results import check_output_path
 
-    plot = args.plot or (str(Path(args.json).with_suffix(".svg")) if args.json else None)
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    if plot and importlib.util.find_spec("matplotlib") is None:
+        if args.plot:
+            print("replay: --plot needs matplotlib (pip install matplotlib, or the cpu / rl extra)", file=sys.stderr)
+            return 2
+        print("replay: matplotlib is not installed: no plot", file=sys.stderr)
+        plot = None
     try:  # before hours of replay, not after
         for out in (args.json, plot):
             if out:
@@ -534,9 +533,9 @@ def main(argv=None) -> int:
         write_atomic(args.json, json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if plot:
-        from benchmarks._replay_plot import write_svg
+        from benchmarks._replay_plot import write_png
 
-        write_svg(report, plot)
+        write_png(report, plot)
         print(f"wrote {plot}")
     return 0
 

@@ -201,28 +201,33 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
             "training": training, "train_loop_rollouts": loop, "methods": results, "summary": summary}
 
 
+def _markdown(rows: list[list[Any]], cols: list[tuple[str, str]], first_left: bool = True) -> str:
+    """A markdown (pipe) table; ``cols`` are (header, number format) pairs, numbers right-aligned."""
+    from tabulate import tabulate
+
+    align = ["left" if first_left and i == 0 else "right" for i in range(len(cols))]
+    return tabulate(rows, [h for h, _ in cols], tablefmt="pipe", floatfmt=[f for _, f in cols], colalign=align)
+
+
 def format_tables(report: dict[str, Any]) -> str:
     """Markdown tables: per iteration and per method, then the per-method summary."""
-    lines = [f"### {report['data']} (trained with `{report['train_method']}`)", "",
-             "| method | iter | wall s | tail 10% s | tokens | tok/s | acc. len | drafted | accepted | reward | mean len | truncated |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for m, its in report["methods"].items():
-        for r in its:
-            lines.append(f"| {m} | {r['iteration']} | {r['wall_time_s']:.1f} | {r['tail10_s']:.1f} | {r['tokens']} | {r['tokens_per_s']:.0f} | "
-                         f"{r['acceptance_length']:.2f} | {r['draft_tokens']} | {r['accepted_tokens']} | {r['reward_mean']:+.3f} | "
-                         f"{r['mean_len']:.0f} | {r['truncated']:.2f} |")
-    lines += ["", "| method | wall s | tail 10% s | tok/s | acc. len | mean reward | speedup vs none |", "|---|---:|---:|---:|---:|---:|---:|"]
-    for m, s in report["summary"].items():
-        sp = f"{s['speedup_vs_none']:.2f}x" if "speedup_vs_none" in s else "-"
-        lines.append(f"| {m} | {s['wall_time_s']:.1f} | {s['tail10_s']:.1f} | {s['tokens_per_s']:.0f} | {s['acceptance_length']:.2f} | "
-                     f"{s['reward_mean']:+.3f} | {sp} |")
-    lines += ["", "Training (the GRPO loop that produced the policies):", "",
-              "| step | reward | acc | format | loss | clip frac | approx KL | updates | rollout s | train s | sync s |",
-              "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for t in report["training"]:
-        lines.append(f"| {t['step']} | {t['reward_mean']:+.3f} | {t['accuracy']:.2f} | {t['format_rate']:.2f} | {t['loss']:+.4f} | {t['clip_frac']:.3f} | "
-                     f"{t['approx_kl']:+.5f} | {t['updates']} | {t['rollout_s']:.1f} | {t['train_s']:.1f} | {t['sync_s']:.2f} |")
-    return "\n".join(lines)
+    cols = [("method", ""), ("iter", ""), ("wall s", ".1f"), ("tail 10% s", ".1f"), ("tokens", ""), ("tok/s", ".0f"), ("acc. len", ".2f"),
+            ("drafted", ""), ("accepted", ""), ("reward", "+.3f"), ("mean len", ".0f"), ("truncated", ".2f")]
+    keys = ["wall_time_s", "tail10_s", "tokens", "tokens_per_s", "acceptance_length", "draft_tokens", "accepted_tokens", "reward_mean",
+            "mean_len", "truncated"]
+    rows = [[m, int(r["iteration"]), *(r[k] if f == "" else float(r[k]) for k, (_, f) in zip(keys, cols[2:]))]
+            for m, its in report["methods"].items() for r in its]
+    scols = [("method", ""), ("wall s", ".1f"), ("tail 10% s", ".1f"), ("tok/s", ".0f"), ("acc. len", ".2f"), ("mean reward", "+.3f"),
+             ("speedup vs none", "")]
+    summary = [[m, *(float(s[k]) for k in ("wall_time_s", "tail10_s", "tokens_per_s", "acceptance_length", "reward_mean")),
+                f"{s['speedup_vs_none']:.2f}x" if "speedup_vs_none" in s else "-"] for m, s in report["summary"].items()]
+    tcols = [("step", ""), ("reward", "+.3f"), ("acc", ".2f"), ("format", ".2f"), ("loss", "+.4f"), ("clip frac", ".3f"),
+             ("approx KL", "+.5f"), ("updates", ""), ("rollout s", ".1f"), ("train s", ".1f"), ("sync s", ".2f")]
+    training = [[t["step"], *(float(t[k]) for k in ("reward_mean", "accuracy", "format_rate", "loss", "clip_frac", "approx_kl")),
+                 t["updates"], *(float(t[k]) for k in ("rollout_s", "train_s", "sync_s"))] for t in report["training"]]
+    return "\n".join([f"### {report['data']} (trained with `{report['train_method']}`)", "", _markdown(rows, cols), "",
+                      _markdown(summary, scols), "", "Training (the GRPO loop that produced the policies):", "",
+                      _markdown(training, tcols, first_left=False)])
 
 
 PLOTS = ("rollout_time.png", "rollout_acceptance.png", "rollout_reward.png", "rollout_batch.png")

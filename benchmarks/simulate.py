@@ -574,6 +574,8 @@ def cost_examples(roof) -> dict[str, float]:
 
 
 def print_table(out: dict, key: str, policies, placements, args) -> None:
+    from tabulate import tabulate
+
     table = out[key]
     s = out["setting"]
     ls = out["lengths"]
@@ -592,30 +594,27 @@ def print_table(out: dict, key: str, policies, placements, args) -> None:
         f"free draft tokens (knee): 256 rows x 3K {ex['knee_draft_tokens_rows256_ctx3000']:.0f}, 64 x 8K {ex['knee_draft_tokens_rows64_ctx8000']:.0f}, 4 x 12K {ex['knee_draft_tokens_rows4_ctx12000']:.0f}"
     )
     print(f"Eq. 1 fitted offline to it (class-eq9): c_base {1e3 * lin['c_base']:.2f} ms, c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
-    w = 24
+    heads = ["policy"] + [f"placement {pl}" for pl in placements]
+    right = ["left"] + ["right"] * len(placements)
+
+    def cell(p: str, pl: str, fmt: Any) -> str:
+        r = table.get(config_name(p, pl))
+        return fmt(r) if r else "-"
+
     print("makespan s, mean +- 95% interval (cut vs none, placement none)")
-    print(f"{'policy':<16}" + "".join(f"{'placement ' + pl:>{w}}" for pl in placements))
-    for p in policies:
-        cells = []
-        for pl in placements:
-            n = config_name(p, pl)
-            r = table.get(n)
-            cells.append(f"{r['makespan_s']:6.1f}+-{r['makespan_s_ci95']:4.1f} ({100 * r['cut_vs_none']:+4.0f}%)" if r else "-")
-        print(f"{p:<16}" + "".join(f"{c:>{w}}" for c in cells))
+    rows = [[p] + [cell(p, pl, lambda r: f"{r['makespan_s']:.1f}+-{r['makespan_s_ci95']:.1f} ({100 * r['cut_vs_none']:+.0f}%)") for pl in placements]
+            for p in policies]
+    print(tabulate(rows, heads, colalign=right, disable_numparse=True))
     print("cut vs none at the same placement, mean +- 95% interval")
-    for p in policies[1:]:
-        cells = []
-        for pl in placements:
-            r = table.get(config_name(p, pl))
-            cells.append(f"{100 * r['cut_vs_none_same_placement']:5.1f}+-{100 * r['cut_vs_none_same_placement_ci95']:4.1f}%" if r else "-")
-        print(f"{p:<16}" + "".join(f"{c:>{w}}" for c in cells))
+    rows = [[p] + [cell(p, pl, lambda r: f"{100 * r['cut_vs_none_same_placement']:.1f}+-{100 * r['cut_vs_none_same_placement_ci95']:.1f}%")
+                   for pl in placements] for p in policies[1:]]
+    print(tabulate(rows, heads, colalign=right, disable_numparse=True))
     for n in [n for n in table if n.endswith(")")]:
         r = table[n]
         base = table.get(n.split(" (")[0], r)
         print(f"extra: {n}: {r['makespan_s']:.1f} +- {r['makespan_s_ci95']:.1f} s ({100 * r['cut_vs_none']:+.0f}%), preemptions {r['preemptions']:.1f} (as listed: {base['makespan_s']:.1f} s, {base['preemptions']:.1f})")
-    print(f"{'policy+placement':<22}{'tok/row-step':>13}{'drafted/tok':>12}{'preempt':>9}{'moves':>7}")
-    for n, r in table.items():
-        print(f"{n:<22}{r['tokens_per_row_step']:>13.2f}{r['drafted_per_token']:>12.2f}{r['preemptions']:>9.1f}{r['moves']:>7.1f}")
+    rows = [[n, *(float(r[k]) for k in ("tokens_per_row_step", "drafted_per_token", "preemptions", "moves"))] for n, r in table.items()]
+    print(tabulate(rows, ["policy+placement", "tok/row-step", "drafted/tok", "preempt", "moves"], floatfmt=["", ".2f", ".2f", ".1f", ".1f"]))
     lb = out["lower_bound_s"]
     print(f"lower bound, the longest request alone at one-row step cost (mean over seeds): {lb['none']:.1f} s without drafts, {lb['speculative']:.1f} s with them")
     v = out["validation"]
@@ -688,8 +687,8 @@ def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel,
         "drafter 4 ms per step at 256 rows": (replace(params, drafter_ms_per_256=4.0), am),
     }
     out: dict[str, Any] = {"policy": best, "placement": pl, "seeds": args.seeds}
-    print(f"ablations (placement {pl}, {args.seeds} seeds; cut vs none at that placement, mean +- 95% interval):")
-    print(f"  {'variant':<44}{'none s':>9}{'fixed':>18}{pol:>20}")
+    print(f"ablations (placement {pl}, {args.seeds} seeds; cut vs none at that placement, mean +- 95% interval):", flush=True)
+    rows = []
     for label, (pp, aa) in variants.items():
         mk: dict[str, list[float]] = {"none": [], "fixed": [], pol: []}
         for seed in range(args.seeds):
@@ -710,10 +709,11 @@ def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel,
             row[f"{p}_s"] = ci95(m)[0]
             row[f"{p}_cut"], row[f"{p}_cut_ci95"] = ci95(1.0 - m / base)
         out[label] = row
-        print(
-            f"  {label:<44}{row['none_s']:>9.1f}{row['fixed_s']:>8.1f} ({100 * row['fixed_cut']:+4.0f}+-{100 * row['fixed_cut_ci95']:2.0f}%)"
-            f"{row[f'{pol}_s']:>9.1f} ({100 * row[f'{pol}_cut']:+4.0f}+-{100 * row[f'{pol}_cut_ci95']:2.0f}%)"
-        )
+        rows.append([label, f"{row['none_s']:.1f}"] + [f"{row[f'{p}_s']:.1f} ({100 * row[f'{p}_cut']:+.0f}+-{100 * row[f'{p}_cut_ci95']:.0f}%)"
+                                                      for p in ("fixed", pol)])
+    from tabulate import tabulate
+
+    print(tabulate(rows, ["variant", "none s", "fixed", pol], colalign=["left", "right", "right", "right"], disable_numparse=True))
     return out
 
 

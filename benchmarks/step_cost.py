@@ -251,11 +251,10 @@ def cpu_model() -> str:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    head = (f"{'rows':>5} {'path':<8} {'p50_ms':>8} {'p99_ms':>8} {'cpu_p50':>8} {'cpu_p99':>8} {'us/row':>7} "
-            f"{'steps':>6} {'tok/row/step':>12} {'speedup_p50':>11}")
-    lines = [f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, "
-             f"{report['trace']['iterations']} iterations); K = {report['k']}; CPU: {report['machine']['cpu']} "
-             f"({report['machine']['cpu_count']} cores)", "", head, "-" * len(head)]
+    """The report as text: one row per running-request count and path (tabulate)."""
+    from tabulate import tabulate
+
+    rows = []
     for key, e in report["rows"].items():
         entries = [("per_row", e.get("per_row")), ("batch", e if "p50_ms" in e else None)]
         for name, x in entries:
@@ -264,10 +263,15 @@ def format_table(report: dict[str, Any]) -> str:
             sp = ""
             if name == "batch" and e.get("per_row"):
                 sp = f"{e['per_row']['p50_ms'] / x['p50_ms']:.1f}x"
-            lines.append(f"{key:>5} {name:<8} {x['p50_ms']:>8.3f} {x['p99_ms']:>8.3f} {x['cpu_p50_ms']:>8.3f} "
-                         f"{x['cpu_p99_ms']:>8.3f} {x['us_per_row_p50']:>7.2f} {x['steps']:>6d} "
-                         f"{x['tokens_per_row_step']:>12.3f} {sp:>11}")
-    return "\n".join(lines)
+            rows.append([int(key), name, *(float(x[k]) for k in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "us_per_row_p50")),
+                         int(x["steps"]), float(x["tokens_per_row_step"]), sp])
+    head = ["rows", "path", "p50_ms", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "speedup_p50"]
+    machine = report["machine"]
+    title = (f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, {report['trace']['iterations']} iterations); "
+             f"K = {report['k']}; CPU: {machine['cpu']} ({machine['cpu_count']} cores)")
+    table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ""], colalign=[
+        "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
+    return f"{title}\n\n{table}"
 
 
 def parse_args(argv=None) -> argparse.Namespace:

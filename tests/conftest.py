@@ -41,9 +41,10 @@ def peaked_tiny_model(tiny_model, tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _vllm_cpu_env():
-    from integrations.vllm_ext.cpu_runtime import apply_cpu_defaults
-
+def _vllm_cpu_env(request):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # tiny models: keep every test engine's cache small
-    apply_cpu_defaults()
+    if any(item.get_closest_marker("engine") for item in request.session.items):
+        from integrations.vllm_ext.cpu_runtime import apply_cpu_defaults
+
+        apply_cpu_defaults()  # imports torch (seconds): only in a session that starts vLLM
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

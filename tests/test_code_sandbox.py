@@ -36,6 +36,8 @@ LEETCODE = REPO.parent / "shared" / "data" / "leetcode_train.json"
 
 from test_rewards import TWO_SUM_OK, TWO_SUM_TESTS  # noqa: E402  (pytest puts tests/ on sys.path)
 
+sandboxed = pytest.mark.slow  # runs programs in the sandbox (a bubblewrap process each, up to seconds)
+
 REVERSE_TESTS = """
 def check(candidate):
     assert is_same_list(candidate(head = list_node([1, 2, 3, 4, 5])), list_node([5, 4, 3, 2, 1]))
@@ -85,6 +87,7 @@ def assert_forgery_fails(code: str, tests: str = TWO_SUM_TESTS) -> None:
 # ---------------------------------------------------------------- the pass cannot be forged
 
 
+@sandboxed
 @pytest.mark.skipif(not LEETCODE.is_file(), reason="shared LeetCode data missing")
 def test_early_exit_scores_zero_on_the_first_leetcode_problem():
     p = load_leetcode_json(LEETCODE, limit=1)[0]
@@ -94,6 +97,7 @@ def test_early_exit_scores_zero_on_the_first_leetcode_problem():
     assert code_reward(fenced(p.answer), p).correct  # the reference solution still passes
 
 
+@sandboxed
 @pytest.mark.parametrize("code", [
     "import os\nos._exit(0)",
     "raise SystemExit(0)",
@@ -112,6 +116,7 @@ def test_exits_and_exit_hooks_do_not_pass(code):
         assert code_reward(fenced(code), problem()).score == 0.0
 
 
+@sandboxed
 def test_an_object_equal_to_everything_does_not_pass():
     assert_forgery_fails("class Eq:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
                          "class Solution:\n    def twoSum(self, nums, target):\n        return Eq()")
@@ -119,6 +124,7 @@ def test_an_object_equal_to_everything_does_not_pass():
                          "class Solution:\n    def twoSum(self, nums, target):\n        return L([9])")
 
 
+@sandboxed
 def test_patched_builtins_and_helpers_do_not_pass():
     patch = ("import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"
              "builtins.isinstance = lambda *a: True\nbuiltins.abs = lambda x: 0\nbuiltins.len = lambda x: 0\n"
@@ -130,6 +136,7 @@ def test_patched_builtins_and_helpers_do_not_pass():
                          "        return head", REVERSE_TESTS)
 
 
+@sandboxed
 def test_output_that_imitates_a_verdict_does_not_pass():
     fake = json.dumps({"pass": True, "detail": "passed", "mac": "0" * 64})
     code = (f"import os, sys\nline = {fake!r} + '\\n'\nprint(line)\nsys.stderr.write(line)\n"
@@ -141,6 +148,7 @@ def test_output_that_imitates_a_verdict_does_not_pass():
     assert_forgery_fails(code)
 
 
+@sandboxed
 def test_the_solution_cannot_read_the_tests_or_the_harness(monkeypatch):
     # The solution's process never holds the tests (the expected answers) or the harness's secret.
     monkeypatch.setattr(rewards.secrets, "token_bytes", lambda n: b"\x5a" * n)
@@ -156,6 +164,7 @@ def test_the_solution_cannot_read_the_tests_or_the_harness(monkeypatch):
     assert r.correct, r.detail
 
 
+@sandboxed
 def test_correct_solutions_pass_with_lists_linked_lists_and_trees():
     assert code_reward(fenced(TWO_SUM_OK), problem()).correct
     assert code_reward(fenced(REVERSE_OK), problem(REVERSE_TESTS)).correct
@@ -166,6 +175,7 @@ def test_correct_solutions_pass_with_lists_linked_lists_and_trees():
     assert not bad.correct and "AssertionError" in bad.detail
 
 
+@sandboxed
 def test_reference_solutions_pass_and_entry_points_shadow_prelude_names():
     he = {p.problem_id: p for p in load_embedded("code")}
     # HumanEval/85's entry point is `add` (the prelude imports operator.add), /131's is `digits`
@@ -187,6 +197,7 @@ def test_reference_solutions_pass_and_entry_points_shadow_prelude_names():
 # ---------------------------------------------------------------- the sandbox holds
 
 
+@sandboxed
 def test_sandbox_child_is_unprivileged_and_sees_nothing_of_the_host(tmp_path, monkeypatch):
     monkeypatch.setenv("DAS_TEST_MARKER", "trainer-secret-41")
     host_ns = {k: os.readlink(f"/proc/self/ns/{k}") for k in ("pid", "net", "mnt")}
@@ -232,6 +243,7 @@ open('/tmp/scratch', 'w').write('private tmp is writable')
     assert not venv_file.exists() and not project_file.exists()
 
 
+@sandboxed
 def test_network_is_cut_unless_explicitly_allowed():
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
@@ -249,6 +261,7 @@ def test_network_is_cut_unless_explicitly_allowed():
         server.close()
 
 
+@sandboxed
 def test_process_limit_stops_a_fork_loop():
     prog = """
 import os, time
@@ -279,6 +292,7 @@ def _host_processes_with(token: str) -> list[int]:
     return out
 
 
+@sandboxed
 def test_a_child_that_closes_stdio_does_not_outlive_the_run():
     token = "987.654321"
     prog = f"""
@@ -296,6 +310,7 @@ import time; time.sleep(0.3)
     assert _host_processes_with(token) == []
 
 
+@sandboxed
 def test_a_setsid_grandchild_holding_stderr_cannot_stretch_the_limit():
     token = "876.543219"
     leaves = f"import subprocess\nsubprocess.Popen(['setsid', 'sleep', '{token}'])\n"
@@ -309,6 +324,7 @@ def test_a_setsid_grandchild_holding_stderr_cannot_stretch_the_limit():
     assert _host_processes_with(token) == []
 
 
+@sandboxed
 def test_stderr_is_capped():
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     prog = "import os\nchunk = b'e' * (1 << 20)\nfor _ in range(300):\n    os.write(2, chunk)\n"

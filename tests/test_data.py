@@ -36,13 +36,10 @@ def _runs_ok(program: str) -> bool:
 
 
 @pytest.fixture(scope="module")
-def tiny_tokenizer(tmp_path_factory):
+def tiny_tokenizer(tiny_model):
     from transformers import AutoTokenizer
 
-    from integrations.data.models import build_tiny_model
-
-    path = build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
-    return AutoTokenizer.from_pretrained(str(path))
+    return AutoTokenizer.from_pretrained(tiny_model)  # the session's tiny model (conftest): no second build
 
 
 # ---------------------------------------------------------------- shared files
@@ -93,6 +90,7 @@ def test_math500_gets_the_boxed_instruction():
 
 
 @needs_data
+@pytest.mark.slow  # 1889 problems and four Python processes
 def test_leetcode_loads_and_reference_solutions_pass_their_tests():
     probs = load_leetcode_json(DATA / "leetcode_train.json")
     assert len(probs) == 1889

@@ -12,6 +12,7 @@ def test_each_method():
     assert speculative_config("suffix")["method"] == "suffix"
 
 
+@pytest.mark.slow  # importing the proposer imports vLLM
 def test_proposer_class_path_imports():
     import importlib
 

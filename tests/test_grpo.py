@@ -68,6 +68,7 @@ def test_tail_time_is_the_last_tenth():
     assert b.acceptance_length == 1.0
 
 
+@pytest.mark.slow  # torch training steps on the tiny model
 def test_policy_trainer_step_moves_weights_and_reports_clipping(tiny_model):
     import torch
 

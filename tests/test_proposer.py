@@ -9,7 +9,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from integrations.vllm_ext.proposer import DASProposer, das_section
+# No engine, but the proposer module installs the vLLM fixes when imported, which imports vLLM
+# (seconds): imported in the tests below, not at collection.
+pytestmark = pytest.mark.slow
+
+
+def DASProposer(*args, **kwargs):
+    from integrations.vllm_ext.proposer import DASProposer as cls
+
+    return cls(*args, **kwargs)
+
+
+def das_section(*args, **kwargs):
+    from integrations.vllm_ext.proposer import das_section as fn
+
+    return fn(*args, **kwargs)
 
 K = 6
 MAX_LEN = 64

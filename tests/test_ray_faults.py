@@ -17,6 +17,8 @@ ray = pytest.importorskip("ray")
 
 from integrations.rl.ray_rollout import Group, RayRolloutDriver  # noqa: E402
 
+slow = pytest.mark.slow  # a local Ray cluster, worker processes and timeouts: seconds per test
+
 
 class EchoWorker:
     """Deterministic 'rollouts': sample j of a group is [prompt[0], j, version] * 3, after a short pause."""
@@ -61,6 +63,7 @@ def make_driver(**kw):
                             num_cpus_per_worker=0.5, **kw)
 
 
+@slow
 def test_a_worker_lost_between_iterations_is_replaced(ray_session):
     drv = make_driver(task_timeout_s=30, start_timeout_s=30)
     try:
@@ -74,6 +77,7 @@ def test_a_worker_lost_between_iterations_is_replaced(ray_session):
         drv.shutdown()
 
 
+@slow
 def test_a_worker_hung_between_iterations_is_replaced(ray_session):
     drv = make_driver(task_timeout_s=30, begin_timeout_s=3)
     try:
@@ -87,6 +91,7 @@ def test_a_worker_hung_between_iterations_is_replaced(ray_session):
         drv.shutdown()
 
 
+@slow
 def test_a_hung_worker_mid_iteration_has_its_groups_redispatched(ray_session):
     drv = make_driver(task_timeout_s=2, engine_kwargs={"delay": 1.0})
     try:
@@ -109,6 +114,7 @@ def test_a_hung_worker_mid_iteration_has_its_groups_redispatched(ray_session):
         drv.shutdown()
 
 
+@slow
 def test_a_batch_that_keeps_hanging_ends_in_a_clear_error(ray_session):
     drv = make_driver(task_timeout_s=1, max_redispatch=1, engine_kwargs={"delay": 0.0, "stall": ["g0"]})
     try:
@@ -118,7 +124,7 @@ def test_a_batch_that_keeps_hanging_ends_in_a_clear_error(ray_session):
         drv.shutdown()
 
 
-def test_bad_driver_settings_are_refused(ray_session):
+def test_bad_driver_settings_are_refused():  # checked before Ray starts: no cluster needed
     for kw in ({"task_timeout_s": 0}, {"start_timeout_s": -1}, {"begin_timeout_s": 0}, {"max_redispatch": -1}, {"num_workers": 0}):
         with pytest.raises(ValueError):
             make_driver(**kw)

@@ -107,6 +107,7 @@ def test_code_reward_passes_and_fails():
     assert code_reward("I don't know", p).score == 0.0
 
 
+@pytest.mark.slow  # five sandboxed programs, two of them run into their 1 s time limit
 def test_code_runs_in_another_process_with_limits():
     parent = os.getpid()
     r = run_program(f"import os\nassert os.getpid() != {parent}\nopen('x.txt','w').write('ok')\n")

@@ -4,7 +4,21 @@ import json
 
 import pytest
 
-from integrations.rollout import iteration_prompts, parse_args
+# integrations.rollout imports the proposer, which imports vLLM (seconds): every test here is slow,
+# and the module is imported in the tests, not at collection.
+pytestmark = pytest.mark.slow
+
+
+def parse_args(argv):
+    from integrations.rollout import parse_args as parse
+
+    return parse(argv)
+
+
+def iteration_prompts(n, args):
+    from integrations.rollout import iteration_prompts as prompts
+
+    return prompts(n, args)
 
 ITERATION_KEYS = {"wall_time_s", "tokens", "verification_steps", "acceptance_length", "draft_tokens", "accepted_tokens"}
 

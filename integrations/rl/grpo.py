@@ -40,13 +40,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import random
 import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+import numpy as np
 
 from integrations.rl.recipes import Recipe, load_recipe
 from integrations.vllm_ext import cpu_runtime
@@ -304,13 +305,6 @@ class GRPOResult:
     summary: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-def _percentile(xs: Sequence[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return float(s[min(len(s) - 1, max(0, int(math.ceil(q * len(s))) - 1))])
-
-
 def run(
     recipe: Recipe | dict | str | None = None,
     *,
@@ -434,7 +428,7 @@ def run(
                 **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in tm.items()},
                 "rollout_s": round(batch.wall_time_s, 3), "tail10_s": round(batch.tail_time_s(0.1), 3),
                 "tokens": batch.tokens, "tokens_per_s": round(batch.tokens / batch.wall_time_s, 2) if batch.wall_time_s else 0.0,
-                "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths), "p90_len": _percentile(lengths, 0.9),
+                "mean_len": sum(lengths) / len(lengths), "max_len": max(lengths), "p90_len": float(np.quantile(lengths, 0.9, method="inverted_cdf")),
                 "truncated": sum(r.finish_reason == "length" for r in batch.rollouts) / len(batch.rollouts),
                 "acceptance_length": round(batch.acceptance_length, 4), "draft_tokens": batch.draft_tokens,
                 "accepted_tokens": batch.accepted_tokens, "draft_caps": caps,
@@ -482,15 +476,15 @@ def run(
 
 
 def format_steps(records: Sequence[dict[str, Any]]) -> str:
-    """A fixed-width table of the step records."""
-    head = (f"{'step':>4} {'reward':>7} {'acc':>5} {'fmt':>5} {'loss':>9} {'clip':>6} {'kl':>8} {'roll_s':>7} {'tail_s':>7} {'tok/s':>7} "
-            f"{'acc_len':>7} {'train_s':>7} {'sync_s':>6}")
-    lines = [head, "-" * len(head)]
-    for r in records:
-        lines.append(f"{r['step']:>4} {r['reward_mean']:>7.3f} {r['accuracy']:>5.2f} {r['format_rate']:>5.2f} {r['loss']:>+9.5f} {r['clip_frac']:>6.3f} "
-                     f"{r['approx_kl']:>+8.5f} {r['rollout_s']:>7.1f} {r['tail10_s']:>7.1f} {r['tokens_per_s']:>7.1f} {r['acceptance_length']:>7.2f} "
-                     f"{r['train_s']:>7.1f} {r['sync_s']:>6.2f}")
-    return "\n".join(lines)
+    """A table of the step records (tabulate)."""
+    from tabulate import tabulate
+
+    cols = [("step", "step", "d"), ("reward", "reward_mean", ".3f"), ("acc", "accuracy", ".2f"), ("fmt", "format_rate", ".2f"),
+            ("loss", "loss", "+.5f"), ("clip", "clip_frac", ".3f"), ("kl", "approx_kl", "+.5f"), ("roll_s", "rollout_s", ".1f"),
+            ("tail_s", "tail10_s", ".1f"), ("tok/s", "tokens_per_s", ".1f"), ("acc_len", "acceptance_length", ".2f"),
+            ("train_s", "train_s", ".1f"), ("sync_s", "sync_s", ".2f")]
+    rows = [[int(r[key]) if fmt == "d" else float(r[key]) for _, key, fmt in cols] for r in records]
+    return tabulate(rows, [h for h, _, _ in cols], floatfmt=[f for _, _, f in cols])
 
 
 def check_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> Recipe:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -117,8 +116,7 @@ class RolloutBatch:
         t = self.finish_times()
         if not t:
             return 0.0
-        k = max(0, min(len(t) - 1, int(math.ceil((1.0 - fraction) * len(t))) - 1))
-        return max(0.0, self.wall_time_s - t[k])
+        return max(0.0, self.wall_time_s - float(np.quantile(t, 1.0 - fraction, method="inverted_cdf")))
 
 
 def generate_rollouts(
