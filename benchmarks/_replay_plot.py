@@ -19,7 +19,7 @@ def write_png(report: dict[str, Any], path: str | Path) -> Path:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from integrations.results import atomic_output
+    from integrations.results import save_figure
 
     drafters = report["drafters"]
     names = list(drafters)
@@ -42,10 +42,4 @@ def write_png(report: dict[str, Any], path: str | Path) -> Path:
     lat.set_ylabel("us per propose call")
     lat.grid(axis="y", alpha=0.3)
     fig.tight_layout()
-    path = Path(path)
-    try:
-        with atomic_output(path) as tmp:
-            fig.savefig(tmp, dpi=100, format="png")
-    finally:
-        plt.close(fig)
-    return path
+    return save_figure(fig, path, dpi=100)

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from integrations.results import save_figure
+
 
 def replay_points(report: dict[str, Any]) -> list[tuple[str, list[float], list[float], list[float]]]:
     """``(label, predicted, observed, trials)`` series of a replay report (raw, and calibrated if present)."""
@@ -66,11 +68,7 @@ def plot(series: list[tuple[str, list[float], list[float], list[float]]], out: s
     ax.set_title(title or "DAS draft tokens: reliability")
     ax.legend(loc="upper left", fontsize=8)
     fig.tight_layout()
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, out)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks._replay_drafters import heap_bytes, make_adapter
+from scheduler.calibration import AcceptanceCalibration
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path(os.environ.get("DAS_CACHE_DIR", "~/.cache/das")).expanduser() / "traces"
@@ -130,6 +131,8 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
     cal_n = np.zeros(10)
     cal_p = np.zeros(10)
     cal_acc = np.zeros(10)
+    cal_c = np.zeros(10)  # calibrated probabilities, as the proposer's cost budget would price them
+    online = AcceptanceCalibration()  # learns from the outcomes so far only, as in the engine
     gc_was = gc.isenabled()
     gc.disable()
     try:
@@ -188,6 +191,8 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
                         cal_n += np.bincount(b, minlength=10)
                         cal_p += np.bincount(b, weights=pr, minlength=10)
                         cal_acc += np.bincount(b[:m], minlength=10)
+                        cal_c += np.bincount(b, weights=online(pr), minlength=10)
+                        online.observe(pr, np.arange(nd) < m)
                     t0 = perf()
                     adapter.add(rid, r.output[p : p + new])
                     t1 = perf()
@@ -239,7 +244,8 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
         "start_us_mean": round(start_ns / max(nstart, 1) / 1e3, 2),
         "iterations": per_iter,
         **({"calibration": [{"bin": f"[{j / 10:.1f},{(j + 1) / 10:.1f})", "drafted": int(cal_n[j]),
-                             "mean_prob": round(cal_p[j] / cal_n[j], 3), "accepted_rate": round(cal_acc[j] / cal_n[j], 3)}
+                             "mean_prob": round(cal_p[j] / cal_n[j], 3), "accepted_rate": round(cal_acc[j] / cal_n[j], 3),
+                             "calibrated_prob": round(cal_c[j] / cal_n[j], 3)}
                             for j in range(10) if cal_n[j]]} if calib else {}),
     }
 

@@ -15,6 +15,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 __all__ = ["check_output_path", "write_atomic", "atomic_output"]
 
@@ -92,4 +93,17 @@ def write_atomic(path: str | os.PathLike, data: bytes | str) -> Path:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+    return p
+
+
+def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
+    """Write a matplotlib figure to ``path`` as PNG atomically (see :func:`atomic_output`), then close it; returns the path."""
+    import matplotlib.pyplot as plt
+
+    p = Path(os.fspath(path)).expanduser()
+    try:
+        with atomic_output(p) as tmp:
+            fig.savefig(tmp, dpi=dpi, format="png")
+    finally:
+        plt.close(fig)
     return p

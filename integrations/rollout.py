@@ -33,6 +33,7 @@ import numpy as np
 
 from das.config import DEFAULTS, DASConfig, das_config
 from integrations.data.problems import problem_source
+from integrations.results import save_figure
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import METHODS, drop_unavailable
 from scheduler import budgets
@@ -313,11 +314,7 @@ def plot_timelines(report: dict[str, Any], path: str | Path) -> Path | None:
     axes[0][0].set_ylabel("rollouts running")
     fig.suptitle(report.get("title", "running rollouts over time"), fontsize=9)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def format_table(report: dict[str, Any]) -> str:

@@ -68,22 +68,26 @@ class Engine:
             self.runner.input_batch.num_prompt_tokens[row] = self.prompt_len[rid]
 
 
-def test_siblings_draft_from_each_other_while_rows_move():
-    eng = Engine()
-    prop = DASProposer(make_config(), runner=eng.runner)
+def sibling_draft(eng, prop, answer):
+    """Request a generates ``answer`` first; its sibling b (same prompt) then gets 4 tokens of it
+    and drafts on row 0. Returns that step's drafts."""
     prompt = [1, 2, 3]
-    answer = [10, 11, 12, 13, 14, 15, 16, 17]
     eng.add("a", prompt)
     eng.add("b", prompt)
-    # Request a generates the whole answer first.
     eng.seqs["a"] += answer
     eng.layout(["a", "b"])
     prop.propose([[answer[-1]], []], eng.lens, eng.tokens)
-    # b is its sibling (same prompt): after its first token it drafts a's continuation,
-    # even though it now sits on row 0.
     eng.seqs["b"] += answer[:4]
     eng.layout(["b", "a"])
-    drafts = prop.propose([answer[:4], [answer[-1]]], eng.lens, eng.tokens)
+    return prop.propose([answer[:4], [answer[-1]]], eng.lens, eng.tokens)
+
+
+def test_siblings_draft_from_each_other_while_rows_move():
+    eng = Engine()
+    prop = DASProposer(make_config(), runner=eng.runner)
+    answer = [10, 11, 12, 13, 14, 15, 16, 17]
+    # b drafts a's continuation although it now sits on row 0.
+    drafts = sibling_draft(eng, prop, answer)
     assert drafts[0] == answer[4:8]  # match of 4 tokens: a draft of up to 4 (spec factor 1)
     assert len(drafts[0]) <= K
 
@@ -298,15 +302,8 @@ def test_verification_outcomes_fill_the_reliability_bins():
     # the bonus token): the first two draft tokens count as accepted, the next two as rejected.
     eng = Engine()
     prop = DASProposer(make_config(), runner=eng.runner)
-    prompt, answer = [1, 2, 3], [10, 11, 12, 13, 14, 15, 16, 17]
-    eng.add("a", prompt)
-    eng.add("b", prompt)
-    eng.seqs["a"] += answer
-    eng.layout(["a", "b"])
-    prop.propose([[answer[-1]], []], eng.lens, eng.tokens)
-    eng.seqs["b"] += answer[:4]
-    eng.layout(["b", "a"])
-    drafts = prop.propose([answer[:4], [answer[-1]]], eng.lens, eng.tokens)
+    answer = [10, 11, 12, 13, 14, 15, 16, 17]
+    drafts = sibling_draft(eng, prop, answer)
     assert len(drafts[0]) == 4
     assert prop.acceptance.trials.sum() == 0
     eng.seqs["b"] += [answer[4], answer[5], 99]
