@@ -377,7 +377,7 @@ def check_das_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
 
     Returns the ``das`` section. Raises ``ValueError`` naming what is wrong.
     """
-    import importlib
+    import importlib.util
 
     spec = engine_kwargs.get("speculative_config")
     if isinstance(spec, str):
@@ -387,8 +387,10 @@ def check_das_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     path = str(spec.get("model", ""))
     if path not in (SYNC_AWARE_PROPOSER, EXPLICIT_PROPOSER):
         raise ValueError(f"speculative_config.model must be {SYNC_AWARE_PROPOSER!r} or {EXPLICIT_PROPOSER!r}, got {path!r}")
-    mod, _, name = path.rpartition(".")
-    if getattr(importlib.import_module(mod), name, None) is None:
+    # find the module without importing it: importing the proposer imports vLLM (seconds), and the
+    # class name is one of the two checked above
+    mod = path.rpartition(".")[0]
+    if importlib.util.find_spec(mod) is None:
         raise ValueError(f"{path} is not importable")
     k = spec.get("num_speculative_tokens")
     if not isinstance(k, int) or k < 1:
@@ -396,9 +398,9 @@ def check_das_engine_kwargs(engine_kwargs: Mapping[str, Any]) -> dict[str, Any]:
     extra = engine_kwargs.get("additional_config") or {}
     if isinstance(extra, str):
         extra = json.loads(extra)
-    from integrations.vllm_ext.proposer import das_section
-
-    das_section(extra)
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"additional_config must be a mapping, got {type(extra).__name__}: {extra!r}")
+    das_config(extra.get("das", {}))
     return dict(extra.get("das", {}))
 
 
