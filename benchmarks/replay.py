@@ -112,8 +112,12 @@ def record_trace(path: Path, data: Path = DEFAULT_DATA, model: str | None = None
 # ----------------------------------------------------------------------------- replay
 
 
-def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1) -> dict[str, Any]:
-    """Replay ``iterations`` through ``adapter``; returns the metrics (see the module docstring)."""
+def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1, version_stride: int = 1) -> dict[str, Any]:
+    """Replay ``iterations`` through ``adapter``; returns the metrics (see the module docstring).
+
+    Iteration ``it`` runs at policy version ``first_version + it * version_stride``: a stride of 1
+    is a small data set whose problems come back every step; a stride of ``N`` plays each problem
+    coming back once per epoch of ``N`` steps (a large data set)."""
     lat: list[int] = []
     add_ns = 0
     add_tokens = 0
@@ -137,7 +141,7 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
     gc.disable()
     try:
         for it, rollouts in enumerate(iterations):
-            adapter.begin_iteration(first_version + it)
+            adapter.begin_iteration(first_version + it * version_stride)
             n = len(rollouts)
             pos = [0] * n
             steps = [0] * n
@@ -250,14 +254,15 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
     }
 
 
-def measure_memory(name: str, config: dict[str, Any], iterations: list[list[TraceRollout]], k: int = DEFAULT_K) -> dict[str, Any]:
+def measure_memory(name: str, config: dict[str, Any], iterations: list[list[TraceRollout]], k: int = DEFAULT_K,
+                   version_stride: int = 1) -> dict[str, Any]:
     """Heap bytes a drafter holds after every rollout of the trace went through it (all requests
     stopped), per stored output token; plus the drafter's own accounting (structural)."""
     gc.collect()
     h0 = heap_bytes()
     a = make_adapter(name, k, **config)
     for it, rollouts in enumerate(iterations):
-        a.begin_iteration(it + 1)
+        a.begin_iteration(1 + it * version_stride)
         for i, r in enumerate(rollouts):
             a.start((it, i), r.prompt, r.pid)
         for i, r in enumerate(rollouts):  # a few chunks, as a request grows
@@ -301,22 +306,22 @@ def default_config(name: str) -> dict[str, Any]:
 TIMING_KEYS = ("propose_us_p50", "propose_us_p99", "propose_us_mean", "insert_ns_per_token", "start_us_mean")
 
 
-def run_entry(name: str, k: int, config: dict[str, Any], iterations, memory: bool = True) -> dict[str, Any]:
-    res = replay(make_adapter(name, k, **config), iterations)
+def run_entry(name: str, k: int, config: dict[str, Any], iterations, memory: bool = True, version_stride: int = 1) -> dict[str, Any]:
+    res = replay(make_adapter(name, k, **config), iterations, version_stride=version_stride)
     entry = {"drafter": name, "k": k, "config": config, **res}
     if memory:
-        entry.update(measure_memory(name, config, iterations, k))
+        entry.update(measure_memory(name, config, iterations, k, version_stride))
     return entry
 
 
-def run_headline(names, k: int, iterations, repeats: int = 3) -> dict[str, dict[str, Any]]:
+def run_headline(names, k: int, iterations, repeats: int = 3, version_stride: int = 1) -> dict[str, dict[str, Any]]:
     """Each drafter ``repeats`` times, interleaved (ABC, CBA, ABC, ...) so that they share the
     machine's load; timings are the median over the rounds (acceptance is deterministic)."""
     rounds: dict[str, list] = {n: [] for n in names}
     for r in range(repeats):
         for name in (names if r % 2 == 0 else names[::-1]):
             print(f"replaying {name} (K={k}, round {r + 1}/{repeats}) ...", file=sys.stderr, flush=True)
-            rounds[name].append(replay(make_adapter(name, k, **default_config(name)), iterations))
+            rounds[name].append(replay(make_adapter(name, k, **default_config(name)), iterations, version_stride=version_stride))
     out = {}
     for name in names:
         e = dict(rounds[name][0])
@@ -324,7 +329,7 @@ def run_headline(names, k: int, iterations, repeats: int = 3) -> dict[str, dict[
             vals = [x[key] for x in rounds[name]]
             e[key] = round(float(np.median(vals)), 3)
             e[key + "_rounds"] = vals
-        e.update(measure_memory(name, default_config(name), iterations, k))
+        e.update(measure_memory(name, default_config(name), iterations, k, version_stride))
         out[name] = {"k": k, "config": default_config(name), **e}
     return out
 
@@ -434,6 +439,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--das", default=None, help="JSON of DASDrafter settings for the headline (e.g. '{\"prior\": 0}')")
     p.add_argument("--arctic", default=None,
                    help="JSON of arctic settings for the headline (max_tree_depth, max_spec_factor, min_token_prob, max_cached_requests)")
+    p.add_argument("--version-stride", type=int, default=1,
+                   help="policy versions between iterations: 1 plays a small data set revisited every step, N a large one "
+                        "whose problems come back once per epoch of N steps (default %(default)s)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds of the headline (timings: median)")
     p.add_argument("--no-frontier", dest="frontier", action="store_false",
                    help="skip the acceptance-vs-draft-cost runs (drafting rules varied at the headline K)")
@@ -443,7 +451,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale-tokens", default="1e4,1e5,1e6,1e7", help="scale mode checkpoints (stored tokens)")
     p.add_argument("--no-record", action="store_true", help="fail instead of recording a trace when none is cached")
     p.add_argument("--model", default=None, help="model for recording (default: das-rollout's)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.version_stride < 1:
+        p.error(f"--version-stride must be >= 1, got {args.version_stride}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -492,11 +503,12 @@ def main(argv=None) -> int:
                   "tokens": int(sum(r.output.shape[0] for rs in iterations for r in rs)),
                   "mean_output_tokens": round(float(np.mean([r.output.shape[0] for rs in iterations for r in rs])), 1)},
         "k": args.k,
+        "version_stride": args.version_stride,
         "machine": {"cpu_count": os.cpu_count(), "python": sys.version.split()[0]},
         "drafters": {},
         "grid": [],
     }
-    report["drafters"] = run_headline(names, args.k, iterations, args.repeats)
+    report["drafters"] = run_headline(names, args.k, iterations, args.repeats, args.version_stride)
     report["targets"] = targets(report["drafters"])
     ks = [int(x) for x in args.grid_k.split(",") if x.strip()]
     for k in ks:
@@ -504,7 +516,8 @@ def main(argv=None) -> int:
             if k == args.k:
                 continue
             print(f"grid: {name} K={k} ...", file=sys.stderr, flush=True)
-            report["grid"].append(run_entry(name, k, default_config(name), iterations, memory=False))
+            report["grid"].append(run_entry(name, k, default_config(name), iterations, memory=False,
+                                            version_stride=args.version_stride))
     if "das" in names:
         from das import DASDrafter
 
@@ -513,18 +526,19 @@ def main(argv=None) -> int:
             if w == default_w:
                 continue
             print(f"grid: das K={args.k} window={w} ...", file=sys.stderr, flush=True)
-            report["grid"].append(run_entry("das", args.k, {**default_config("das"), "window": w}, iterations))
+            report["grid"].append(run_entry("das", args.k, {**default_config("das"), "window": w}, iterations,
+                                            version_stride=args.version_stride))
     if args.frontier:
         for name, cfg in FRONTIER:
             if name in names:
                 print(f"frontier: {name} K={args.k} {cfg} ...", file=sys.stderr, flush=True)
-                report["grid"].append(run_entry(name, args.k, cfg, iterations, memory=False))
+                report["grid"].append(run_entry(name, args.k, cfg, iterations, memory=False, version_stride=args.version_stride))
     if args.hindsight and "das" in names:
         from benchmarks._replay_drafters import DASHindsightAdapter
 
         print(f"hindsight bound: das trees, K={args.k} ...", file=sys.stderr, flush=True)
         truth = {(it, i): r.output for it, rs in enumerate(iterations) for i, r in enumerate(rs)}
-        res = replay(DASHindsightAdapter(args.k, truth, **default_config("das")), iterations)
+        res = replay(DASHindsightAdapter(args.k, truth, **default_config("das")), iterations, version_stride=args.version_stride)
         report["hindsight_bound"] = {"k": args.k, **{key: res[key] for key in
                                      ("acceptance_length", "steps_per_rollout", "steps_per_rollout_longest10",
                                       "drafted_per_accepted", "iterations")}}

@@ -7,7 +7,7 @@ the ``das-rollout`` flags (defaults and help text, :mod:`integrations.rollout`),
 and turns pydantic's errors into a ``ValueError`` that names the key, the value and what was
 expected, e.g. ``additional_config['das']['window'] must be an int >= 1, got 0``.
 
-Keys (see each field's description): drafter ``window``, ``decay``, ``max_depth``,
+Keys (see each field's description): drafter ``window``, ``decay``, ``keep_visits``, ``age_in_visits``, ``max_depth``,
 ``max_spec_factor``, ``min_token_prob``, ``max_problems``, ``use_request_tree``, ``prior``;
 budget ``budget`` (a proposer budget of :mod:`scheduler.budgets`), ``c_base`` and ``c_tok``
 (seconds, both or neither).
@@ -35,6 +35,12 @@ class DASConfig(BaseModel):
                                               "iterations best; the smaller bounds memory and lookup cost)")
     decay: float = Field(0.9, gt=0, le=1, description="weight of a rollout one policy version older relative to the newest "
                                                       "(1: no down-weighting; 0.9 with window 16 weighs the oldest kept version ~0.2)")
+    keep_visits: int = Field(2, ge=0, description="also keep the rollouts of a problem's own last keep_visits visits (policy versions "
+                             "in which it got rollouts), however old, so a problem that returns once per epoch drafts from its last "
+                             "visit (0: the window only; memory stays capped by max_problems)")
+    age_in_visits: bool = Field(True, description="decay counts a problem's own visits instead of policy versions, so rollouts kept "
+                                "across a long gap weigh decay ** (visits behind) rather than ~0 (same as versions when every "
+                                "problem comes back every version)")
     max_depth: int = Field(24, ge=2, le=10_000, description="suffix tree depth (longest stored string), as vLLM's suffix method")
     max_spec_factor: float = Field(2.0, gt=0, description="a draft anchored on an m-token match has at most floor(m * max_spec_factor) tokens")
     min_token_prob: float = Field(0.2, ge=0, le=1, description="drafts stop before the path probability falls below this")
@@ -67,7 +73,8 @@ class DASConfig(BaseModel):
         return {k: v for k, v in self.model_dump().items() if (keys is None or k in keys) and v is not None}
 
 
-DRAFTER_KEYS = ("window", "decay", "max_depth", "max_spec_factor", "min_token_prob", "max_problems", "use_request_tree", "prior")
+DRAFTER_KEYS = ("window", "decay", "keep_visits", "age_in_visits", "max_depth", "max_spec_factor", "min_token_prob", "max_problems",
+                "use_request_tree", "prior")
 BUDGET_KEYS = ("budget", "c_base", "c_tok")
 SHOWN_KEYS = ("window", "decay", "budget")  # the keys the shipped recipes and overlays spell out
 DEFAULTS = DASConfig()

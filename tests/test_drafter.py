@@ -11,6 +11,7 @@ from das.suffix_tree import VOCAB_LIMIT
 PROMPT = [101, 102, 103]
 # SuffixDecoding's drafting rules (spec factor 1, min prob 0.1, no prior): exact draft lengths below
 PLAIN = dict(max_spec_factor=1.0, min_token_prob=0.1, prior=0.0)
+BY_VERSIONS = dict(keep_visits=0, age_in_visits=False)  # the paper's rule: a window of policy versions, age in versions
 
 
 def test_problem_id_is_stable_and_dtype_independent():
@@ -21,7 +22,7 @@ def test_problem_id_is_stable_and_dtype_independent():
 
 
 def test_window_expiry_removes_exactly_the_old_versions():
-    d = DASDrafter(window=3, decay=0.9)
+    d = DASDrafter(window=3, decay=0.9, **BY_VERSIONS)
     pid = problem_id(PROMPT)
     for v in range(5):
         d.begin_iteration(v)
@@ -48,10 +49,70 @@ def _continuation_after(d, prefix, k=1):
     return out
 
 
+def _visits(d, versions, out=(4, 5, 7), n=2):
+    """``n`` rollouts of PROMPT at each of ``versions`` (a problem coming back once per epoch)."""
+    for v in versions:
+        d.begin_iteration(v)
+        for _ in range(n):
+            d.add_rollout(PROMPT, [*out, v])
+
+
+def test_a_problem_back_after_a_long_gap_drafts_from_its_last_visits():
+    pid = problem_id(PROMPT)
+    d = DASDrafter(window=16, keep_visits=2, use_request_tree=False)
+    _visits(d, [1, 301, 601])
+    d.begin_iteration(901)  # every kept version is 300+ versions out of the window
+    tree = d.problem_tree(pid)
+    assert tree is not None and tree.num_sequences == 4  # the last 2 visits' rollouts
+    assert tree.count([4, 5, 7, 1]) == 0 and tree.count([4, 5, 7, 301]) > 0 and tree.count([4, 5, 7, 601]) > 0
+    assert _continuation_after(d, [4, 5]) == [7]
+    # window only (the paper's rule): the history is gone when the problem comes back
+    d0 = DASDrafter(window=16, keep_visits=0, use_request_tree=False)
+    _visits(d0, [1, 301, 601])
+    d0.begin_iteration(901)
+    assert pid not in d0 and _continuation_after(d0, [4, 5]) == []
+    # within the window keep_visits changes nothing: versions 1..3 all stay with window 16
+    d1 = DASDrafter(window=16, keep_visits=1, use_request_tree=False)
+    _visits(d1, [1, 2, 3])
+    assert d1.problem_tree(pid).num_sequences == 6
+
+
+def test_kept_rollouts_are_aged_by_visits_not_by_the_version_gap():
+    """A problem back after 300 versions drafts as if it had been away one version (age in visits);
+    aged by versions its kept rollouts weigh 0.9**300 against the prior and never draft."""
+    near = DASDrafter(use_request_tree=False)  # the problem comes back the next version
+    _visits(near, [1])
+    near.begin_iteration(2)
+    far = DASDrafter(keep_visits=1, age_in_visits=True, use_request_tree=False)
+    _visits(far, [1])
+    far.begin_iteration(301)
+    dn, df = near.speculate, far.speculate
+    for d in (near, far):
+        d.start_request("probe", PROMPT)
+        d.add_tokens("probe", [4, 5])
+    a, b = dn("probe", 1), df("probe", 1)
+    assert a.tokens.tolist() == b.tokens.tolist() == [7] and b.probs[0] == pytest.approx(a.probs[0], rel=1e-6)
+    assert b.probs[0] == pytest.approx(0.9 * 2 / (0.9 * 2 + 0.3), rel=1e-6)  # 2 rollouts one visit old vs the prior
+    by_versions = DASDrafter(keep_visits=1, age_in_visits=False, use_request_tree=False)
+    _visits(by_versions, [1])
+    by_versions.begin_iteration(301)
+    assert problem_id(PROMPT) in by_versions  # kept ...
+    assert _continuation_after(by_versions, [4, 5]) == []  # ... but weighed ~0
+
+
+@pytest.mark.parametrize("section, needle", [({"keep_visits": -1}, "keep_visits"), ({"keep_visits": "2"}, "keep_visits"),
+                                             ({"age_in_visits": 1}, "age_in_visits")])
+def test_bad_visit_settings_are_refused_by_name(section, needle):
+    from das.config import das_config
+
+    with pytest.raises(ValueError, match=f"additional_config\\['das'\\]\\['{needle}'\\] must be"):
+        das_config(section)
+
+
 @pytest.mark.parametrize("decay, expect", [(1.0, 7), (0.5, 8)])
 def test_down_weighting_changes_the_winner(decay, expect):
     # version 0: three rollouts continue 5 -> 7; version 2: one rollout continues 5 -> 8.
-    d = DASDrafter(window=4, decay=decay, use_request_tree=False)
+    d = DASDrafter(window=4, decay=decay, use_request_tree=False, **BY_VERSIONS)
     d.begin_iteration(0)
     for _ in range(3):
         d.add_rollout(PROMPT, [4, 5, 7])
@@ -179,7 +240,7 @@ def test_stop_request_keeps_the_rollout_and_is_idempotent():
 
 
 def test_live_request_outliving_its_window():
-    d = DASDrafter(window=1)
+    d = DASDrafter(window=1, **BY_VERSIONS)
     d.begin_iteration(0)
     d.start_request("r", PROMPT)
     d.add_tokens("r", [1, 2])
@@ -234,6 +295,9 @@ def test_speculate_budget_and_stats():
         ({"max_problems": 0}, "max_problems"),
         ({"use_request_tree": "yes"}, "use_request_tree"),
         ({"window": True}, "window"),
+        ({"keep_visits": -1}, "keep_visits"),
+        ({"keep_visits": 1.5}, "keep_visits"),
+        ({"age_in_visits": "yes"}, "age_in_visits"),
     ],
 )
 def test_bad_constructor_arguments(kwargs, needle):
@@ -305,7 +369,7 @@ def test_problem_tree_counts_are_version_weighted_window_of_rollouts():
     """Brute force: count(p) / count(q) equals the decay-weighted ratio over the kept rollouts."""
     rng = np.random.default_rng(3)
     decay, window, D = 0.5, 3, 5
-    d = DASDrafter(window=window, decay=decay, max_depth=D, use_request_tree=False)
+    d = DASDrafter(window=window, decay=decay, max_depth=D, use_request_tree=False, **BY_VERSIONS)
     prompts = [[7, 8, 9, 1, 2, 3, 4], [5, 5]]
     kept = []  # (prompt index, version, sequence) as the tree should hold it
     v = 0

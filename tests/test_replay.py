@@ -127,3 +127,18 @@ def test_existing_or_unwritable_report_is_refused_before_the_replay(tmp_path, ca
     assert "exists" in capsys.readouterr().err and out.read_text() == "earlier result"
     assert main(["--trace", str(trace), "--json", "/proc/das-no-such-dir/r.json"]) == 2
     assert "cannot write" in capsys.readouterr().err
+
+
+def test_version_stride_spaces_the_policy_versions(tmp_path):
+    """--version-stride N: iteration it runs at version 1 + it * N (a problem back once per epoch of N steps)."""
+    its = load_trace(_trace(tmp_path, iterations=3))
+    seen = []
+
+    class _Versions(_Oracle):
+        def begin_iteration(self, v):
+            seen.append(v)
+
+    replay(_Versions(its, 1), its, version_stride=300)
+    assert seen == [1, 301, 601]
+    with pytest.raises(SystemExit):
+        main(["--version-stride", "0", "--trace", str(tmp_path / "trace.parquet")])
