@@ -330,14 +330,17 @@ class DASProposer:
         drafts = self._speculate(reqs, budgets, batch.req_ids)
         keep = self._step_budget(drafts, prices, cal)
         out: list[list[int]] = []
+        offered: list[tuple[_Req, np.ndarray]] = []  # rows whose draft goes out, and its kept probabilities
         for row, draft in enumerate(drafts):
             req = reqs[row]
             n = 0 if draft is None else (len(draft.tokens) if keep is None else int(keep[row]))
             if req is not None:
                 req.last_len = n
                 req.last_probs = draft.probs[:n] if n else None
-                req.last_psum = float(self.acceptance(draft.probs[:n]).sum()) if n else 0.0
+                req.last_psum = 0.0
                 req.drafted += n
+                if n:
+                    offered.append((req, req.last_probs))
             self._last_drafted += n
             if n == 0:
                 out.append([])
@@ -345,6 +348,11 @@ class DASProposer:
             self.stats.drafts += 1
             self.stats.draft_tokens += n
             out.append(draft.tokens[:n].tolist())
+        if offered:  # expected accepted tokens per row: calibrated probabilities, one call for the step
+            lens = np.fromiter((len(p) for _, p in offered), np.int64, len(offered))
+            sums = np.add.reduceat(self.acceptance(np.concatenate([p for _, p in offered])), np.cumsum(lens) - lens)
+            for (req, _), psum in zip(offered, sums.tolist()):
+                req.last_psum = psum
         if len(self._reqs) > len(requests):
             self._release_finished(requests)
         return out
