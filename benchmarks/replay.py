@@ -336,11 +336,15 @@ def run_headline(names, k: int, iterations, repeats: int = 3, version_stride: in
 
 # Acceptance against draft cost: the same trace, K and depth, drafting rules varied.
 FRONTIER = (
-    ("das", {"max_spec_factor": 1.0, "min_token_prob": 0.1, "prior": 0.0}),
-    ("das", {"max_spec_factor": 2.0, "min_token_prob": 0.3, "prior": 0.3}),
-    ("das", {"max_spec_factor": 3.0, "min_token_prob": 0.2, "prior": 0.3}),
-    ("das", {"max_spec_factor": 4.0, "min_token_prob": 0.1, "prior": 0.3}),
-    ("das", {"max_spec_factor": 16.0, "min_token_prob": 0.0, "prior": 0.3}),
+    ("das", {"chooser": "walk", "max_spec_factor": 1.0, "min_token_prob": 0.1, "prior": 0.0}),
+    ("das", {"chooser": "walk", "max_spec_factor": 2.0, "min_token_prob": 0.2, "prior": 0.3}),
+    ("das", {"chooser": "walk", "max_spec_factor": 3.0, "min_token_prob": 0.2, "prior": 0.3}),
+    ("das", {"chooser": "walk", "max_spec_factor": 4.0, "min_token_prob": 0.1, "prior": 0.3}),
+    ("das", {"chooser": "walk", "max_spec_factor": 16.0, "min_token_prob": 0.0, "prior": 0.3}),
+    ("das", {"min_token_prob": 0.2}),
+    ("das", {"min_token_prob": 0.15}),
+    ("das", {"min_token_prob": 0.07}),
+    ("das", {"min_token_prob": 0.0}),
     ("arctic_suffix", {"max_spec_factor": 1.0, "min_token_prob": 0.3}),
     ("arctic_suffix", {"max_spec_factor": 2.0, "min_token_prob": 0.1}),
     ("arctic_suffix", {"max_spec_factor": 4.0, "min_token_prob": 0.1}),
@@ -402,8 +406,10 @@ def format_table(report: dict[str, Any]) -> str:
     if report.get("grid"):
         short = {"window": "W", "max_spec_factor": "f", "min_token_prob": "mp", "prior": "pr"}
         entries = [(f"{e['drafter'].replace('arctic_suffix', 'arctic')} K={e['k']}"
-                    + "".join(f" {short.get(a, a)}={v:g}" for a, v in e["config"].items()), e) for e in report["grid"]]
-        lines += ["", "grid (K; DAS window W; drafting rules: spec factor f, min token prob mp, prior pr):", table("drafter / setting", entries)]
+                    + "".join(f" {v}" if isinstance(v, str) else f" {short.get(a, a)}={v:g}" for a, v in e["config"].items()), e)
+                   for e in report["grid"]]
+        lines += ["", "grid (K; DAS window W; chooser walk or mix (default); drafting rules: spec factor f, min token prob mp, prior pr):",
+                  table("drafter / setting", entries)]
     if report.get("hindsight_bound"):
         h = report["hindsight_bound"]
         lines += ["", f"hindsight bound (DAS trees, K={h['k']}, every anchor walked to K tokens, the one that matches the "

@@ -16,14 +16,14 @@ budget ``budget`` (a proposer budget of :mod:`scheduler.budgets`), ``c_base`` an
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from typing import Any
+from typing import Any, Literal
 
 import annotated_types as at
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from scheduler import budgets as _budgets
 
-__all__ = ["DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "das_config", "expected"]
+__all__ = ["CHOOSERS", "DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "das_config", "expected"]
 
 
 class DASConfig(BaseModel):
@@ -43,11 +43,17 @@ class DASConfig(BaseModel):
                                 "problem comes back every version)")
     max_depth: int = Field(24, ge=2, le=10_000, description="suffix tree depth (longest stored string), as vLLM's suffix method")
     max_spec_factor: float = Field(2.0, gt=0, description="a draft anchored on an m-token match has at most floor(m * max_spec_factor) tokens")
-    min_token_prob: float = Field(0.2, ge=0, le=1, description="drafts stop before the path probability falls below this")
+    min_token_prob: float = Field(0.1, ge=0, le=1, description="drafts stop before the path probability falls below this")
     max_problems: int = Field(4096, ge=1, description="problem trees kept; beyond it the least recently used idle problem is evicted")
     use_request_tree: bool = Field(True, description="also draft from a per-request tree of the prompt and the request's own output")
     prior: float = Field(0.3, ge=0, description="added to the denominator of every draft-token probability, in units of one "
                                                 "current-version rollout: a continuation seen once gets 1 / (1 + prior)")
+    chooser: Literal["mix", "walk"] = Field("mix", description="how drafts are chosen: mix (every context of every scope, mixed by "
+                                            "online logistic weights learned from accept/reject outcomes) or walk (the best single "
+                                            "anchor's greedy walk, the paper's rule)")
+    global_rollouts: int = Field(256, ge=0, description="finished rollouts of every problem kept in one global tree, the mix "
+                                 "chooser's third scope (0: none)")
+    mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
     budget: str = Field("cost", description="speculation budget, one of scheduler.budgets (proposer): "
                                             + _budgets.describe("proposer"))
     c_base: float | None = Field(None, gt=0, description="fixed step cost in seconds (with c_tok): used instead of the online fit")
@@ -74,7 +80,8 @@ class DASConfig(BaseModel):
 
 
 DRAFTER_KEYS = ("window", "decay", "keep_visits", "age_in_visits", "max_depth", "max_spec_factor", "min_token_prob", "max_problems",
-                "use_request_tree", "prior")
+                "use_request_tree", "prior", "chooser", "global_rollouts", "mix_lr")
+CHOOSERS = ("mix", "walk")
 BUDGET_KEYS = ("budget", "c_base", "c_tok")
 SHOWN_KEYS = ("window", "decay", "budget")  # the keys the shipped recipes and overlays spell out
 DEFAULTS = DASConfig()
@@ -85,6 +92,8 @@ def expected(key: str) -> str:
     f = DASConfig.model_fields[key]
     if key == "budget":
         return f"one of {list(_budgets.names('proposer'))}"
+    if key == "chooser":
+        return f"one of {list(CHOOSERS)}"
     ann = f.annotation
     optional = ann is not None and type(None) in getattr(ann, "__args__", ())
     base = int if ann is int or (optional and int in ann.__args__) else bool if ann is bool else float

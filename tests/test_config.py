@@ -32,10 +32,13 @@ def test_drafter_docstring_states_the_schema_defaults():
     """DASDrafter's docstring gives each default with its reason: it must agree with the schema."""
     doc = DASDrafter.__doc__
     for key in DRAFTER_KEYS:
-        m = re.search(rf"^\s+{key}: .*?Default (True|False|[0-9.]*[0-9])", doc, re.M | re.S)
+        m = re.search(rf"^\s+{key}: .*?Default (True|False|[0-9.]*[0-9]|\"\w+\")", doc, re.M | re.S)
         assert m is not None, key
         want = getattr(DEFAULTS, key)
-        assert (m.group(1) == str(want)) if isinstance(want, bool) else type(want)(m.group(1)) == want, (key, m.group(1))
+        if isinstance(want, str):
+            assert m.group(1) == f'"{want}"', (key, m.group(1))
+        else:
+            assert (m.group(1) == str(want)) if isinstance(want, bool) else type(want)(m.group(1)) == want, (key, m.group(1))
 
 
 def test_schema_accepts_what_the_drafter_accepts():

@@ -5,8 +5,20 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das import DASDrafter, problem_id
+from das import DASDrafter as _DASDrafter
+from das import problem_id
 from das.suffix_tree import VOCAB_LIMIT
+
+# These tests pin the "walk" chooser (the paper's rule: the best single anchor's greedy walk, from
+# the problem and request trees) and its former default min_token_prob, so that exact drafts can
+# be asserted; the "mix" chooser (the default) is tested in tests/test_mix_chooser.py and by the
+# batch-vs-row tests below, which run both.
+WALK = dict(chooser="walk", min_token_prob=0.2)
+
+
+def DASDrafter(**kw):  # noqa: N802 (stands in for the class)
+    return _DASDrafter(**{**WALK, **kw})
+
 
 PROMPT = [101, 102, 103]
 # SuffixDecoding's drafting rules (spec factor 1, min prob 0.1, no prior): exact draft lengths below
@@ -467,8 +479,9 @@ def _step_both(rng, a, b, live, toks, width=160):
         assert (got.tokens[r, k:] == -1).all() and (got.probs[r, k:] == 0.0).all()
 
 
+@pytest.mark.parametrize("chooser", ["walk", "mix"])
 @pytest.mark.parametrize("seed", range(8))
-def test_batch_verbs_match_the_per_row_verbs(seed, monkeypatch):
+def test_batch_verbs_match_the_per_row_verbs(seed, chooser, monkeypatch):
     """Random workloads through both paths: windows expire, weights rescale, trees rebuild, grow
     and are evicted, problems are evicted under live requests; drafts stay identical."""
     import das.suffix_tree as st
@@ -476,7 +489,7 @@ def test_batch_verbs_match_the_per_row_verbs(seed, monkeypatch):
     monkeypatch.setattr(st, "_REBUILD_MIN_TOKENS", 16)  # rebuild often (moves live sequences' slots)
     rng = np.random.default_rng(seed)
     kw = dict(window=2, decay=0.5, max_problems=3, use_request_tree=seed % 3 != 0, max_depth=6, prior=0.3,
-              min_token_prob=0.05)
+              min_token_prob=0.05, chooser=chooser, global_rollouts=5)
     a, b = DASDrafter(**kw), DASDrafter(**kw)
     live, toks, nid = [], {}, 0
     for v in range(0, 60, 3):  # decay 0.5, 3 versions a step: rescales within a problem's life
@@ -502,6 +515,9 @@ def test_batch_verbs_match_the_per_row_verbs(seed, monkeypatch):
                 live.remove(rid)
         b._check_batch_state()
     assert a.stats() == b.stats()
+    assert a.mixer_weights.tolist() == b.mixer_weights.tolist()
+    if chooser == "mix":
+        assert b.outcomes_learned > 0
 
 
 def test_batch_insert_grows_trees_and_repeats_rows():

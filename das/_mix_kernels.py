@@ -1,0 +1,400 @@
+"""Numba kernels of the context-mixing draft chooser (:class:`das.drafter.DASDrafter`, ``chooser="mix"``).
+
+Why mixing. The ``walk`` chooser follows one anchor (one context suffix, in one tree) greedily and
+keeps the walk with the best sum of path probabilities: every draft token rests on the counts of a
+single context. Here each draft token is chosen from the counts of every context at once, the way
+PPM/PAQ-style compressors predict the next symbol (context mixing: Mahoney, "Adaptive weighing of
+context models for lossless data compression", 2005): every suffix of the request's context
+(prompt + output + draft so far, up to ``max_depth - 1`` tokens) is looked up in every scope, each
+lookup gives a probability to each candidate token, and a logistic mixer turns them into one
+acceptance probability, with weights learned online from the engine's accept/reject outcomes.
+
+Scopes (trees): 0 the problem tree (the request's own rollout, its live GRPO siblings and the
+problem's history window), 1 the request tree (its prompt and own output), 2 the global tree
+(recent finished rollouts of every problem). A scope's loci are tracked as the draft grows (the
+locus of the suffix of length ``L`` moves to that of length ``L + 1`` with the drafted token; a new
+length-1 locus is looked up at the root), so a draft token costs one child lookup per locus.
+
+Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floats):
+
+* ``[0]`` bias 1;
+* ``[1 + s * NB + b]``: the mean over scope ``s``'s loci whose match length falls in bucket ``b``
+  (1, 2, 3-4, 5-8, 9-16, 17+ tokens) of ``stretch(p)``, ``p = count(t) / (count(all) + prior_s)``
+  clipped to ``[0.002, 0.998]`` (``stretch(p) = ln(p / (1 - p))``); 0 where no locus is there;
+* ``[1 + NT * NB + s]``: ``stretch(p)`` at scope ``s``'s longest locus;
+* ``[NIN - 1]``: agreement, ``2 * (share of all loci whose most frequent next token is t) - 1``.
+
+Candidates: the most frequent next token of every locus. The mixer's logit is ``w[set] . x`` with
+one weight set per draft position (0, 1, 2, 3+: later tokens are conditioned on earlier ones);
+the token with the largest logit is drafted with conditional probability ``sigmoid(logit)``; the
+draft stops before its path probability (product of those) falls below ``min_prob``. Learning
+(:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose outcome
+is known (accepted tokens, then the first rejected one), conditional on the tokens before it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import njit
+
+from das._trie_kernels import (
+    C_BEST,
+    C_DEPTH,
+    C_TOKEN,
+    M_HASH_SHIFT,
+    R_PROBLEM_SLOT,
+    R_PROBLEM_TREE,
+    R_REQUEST_SLOT,
+    R_REQUEST_TREE,
+    S_BASE,
+    S_LEN,
+    S_LOCI,
+    _edge_token,
+    _find_child,
+    _find_locus,
+    borrowed_views,
+)
+
+NT = 3  # scopes: problem tree, request tree, global tree
+NB = 6  # match-length buckets: 1, 2, 3-4, 5-8, 9-16, 17+
+NIN = 2 + NT * NB + NT  # mixer inputs (see the module docstring)
+NSETS = 4  # weight sets, by draft position 0, 1, 2, 3+
+AGREE = NIN - 1
+_CLIP = 0.002
+MAX_CAND = 4  # candidate tokens per draft position (the first distinct most-frequent tokens of the loci)
+_LEVELS = 4096  # stretch() from a table over probabilities in steps of 1/4096, as PAQ's mixers do
+_STRETCH = np.log(np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)
+                  / (1.0 - np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)))
+
+
+def initial_weights() -> np.ndarray:
+    """``float64[NSETS * NIN]`` starting weights: 0.3 on every scope x length input (a plain
+    average of the contexts' stretched probabilities), 0 elsewhere. Learned online from there."""
+    w = np.zeros(NSETS * NIN)
+    for s in range(NSETS):
+        w[s * NIN + 1 : s * NIN + 1 + NT * NB] = 0.3
+    return w
+
+
+@njit(cache=True, inline="always")
+def _bucket(L):
+    if L <= 2:
+        return L - 1
+    if L <= 4:
+        return 2
+    if L <= 8:
+        return 3
+    if L <= 16:
+        return 4
+    return 5
+
+
+@njit(cache=True)
+def _bucket_reps(lu, ld, lL, tr, c):
+    """Keep only the longest locus of each match-length bucket (the loci are longest first);
+    returns how many are left. Shorter loci of a bucket mostly repeat the longest one's counts,
+    and each kept locus costs a child lookup per candidate token."""
+    m = 0
+    last = -1
+    for i in range(c):
+        b = _bucket(lL[tr, i])
+        if b != last:
+            lu[tr, m] = lu[tr, i]
+            ld[tr, m] = ld[tr, i]
+            lL[tr, m] = lL[tr, i]
+            m += 1
+            last = b
+    return m
+
+
+@njit(cache=True)
+def _seq_loci(mem, s, D, lu, ld, lL, tr):
+    """Loci of slot ``s``'s context suffixes (its active loci), longest first, into row ``tr``."""
+    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
+    w = min(seqs[s, S_LEN], D - 1)
+    c = 0
+    for L in range(w, 0, -1):
+        u = seqs[s, S_LOCI + L]
+        if u >= 0:
+            lu[tr, c] = u
+            ld[tr, c] = L  # an active locus ends exactly at a node of depth L
+            lL[tr, c] = L
+            c += 1
+    return _bucket_reps(lu, ld, lL, tr, c)
+
+
+@njit(cache=True)
+def _ctx_loci(mem, ctx, n, D, lu, ld, lL, tr):
+    """Loci in tree ``mem`` of the suffixes of ``ctx[:n]`` of lengths 1, 2, 4, 8, 16 and
+    ``D - 1`` (one per match-length bucket, as :func:`_bucket_reps` keeps), longest first: each
+    is looked up from the root (the request is not in this tree, so it has no active loci here)."""
+    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
+    w = min(n, D - 1)
+    c = 0
+    L = 1
+    while L <= w:
+        u, d = _find_locus(nodes, hash_table, meta, seqs, pool, ctx, n - L, n)
+        if u < 0:
+            break  # a suffix absent from the tree: every longer one is absent too
+        lu[tr, c] = u
+        ld[tr, c] = d
+        lL[tr, c] = L
+        c += 1
+        if L == w:
+            break
+        L = min(2 * L, w)
+    for i in range(c // 2):
+        j = c - 1 - i
+        a, b, e = lu[tr, i], ld[tr, i], lL[tr, i]
+        lu[tr, i], ld[tr, i], lL[tr, i] = lu[tr, j], ld[tr, j], lL[tr, j]
+        lu[tr, j], ld[tr, j], lL[tr, j] = a, b, e
+    return c
+
+
+@njit(cache=True, inline="always")
+def _top_token(nodes, seqs, pool, u, d):
+    """The most frequent next token at locus ``(u, d)`` (-1: none)."""
+    if d < nodes[u, C_DEPTH]:
+        return _edge_token(nodes, seqs, pool, u, d)
+    b = nodes[u, C_BEST]
+    return nodes[b, C_TOKEN] if b >= 0 else -1
+
+
+@njit(cache=True)
+def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_prob, xrow, xset, tops, topc, totp, cand, sums,
+         cnts):
+    """Draft up to ``K`` tokens by mixing the loci of scopes ``tix[s]`` (-1: absent). Writes the
+    draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
+    and weight set to ``xset[j]``; returns its length."""
+    P = 1.0
+    k = 0
+    while k < K:
+        # each locus once: its most frequent next token (tops), that token's count and the total
+        ntop = 0
+        nc = 0
+        for s in range(NT):
+            if tix[s] < 0:
+                continue
+            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[tix[s]])
+            for i in range(nl[s]):
+                u = lu[s, i]
+                d = ld[s, i]
+                if d < nodes[u, C_DEPTH]:  # inside an edge: one continuation
+                    t = _edge_token(nodes, seqs, pool, u, d)
+                    tot = weights[u, 0]
+                    top = tot
+                else:
+                    b = nodes[u, C_BEST]
+                    tot = weights[u, 1]
+                    if b < 0 or not tot > 0.0:
+                        t = -1
+                        top = 0.0
+                    else:
+                        t = nodes[b, C_TOKEN]
+                        top = weights[b, 0]
+                tops[ntop] = t
+                topc[ntop] = top
+                totp[ntop] = tot + priors[s] if t >= 0 else 0.0
+                ntop += 1
+                if t < 0:
+                    continue
+                new = nc < MAX_CAND
+                for j in range(nc):
+                    if cand[j] == t:
+                        new = False
+                        break
+                if new:
+                    cand[nc] = t
+                    nc += 1
+        if nc == 0:
+            break
+        so = min(k, NSETS - 1) * NIN
+        bz = -1e300
+        bt = -1
+        for ci in range(nc):
+            t = cand[ci]
+            for f in range(NIN):
+                sums[f] = 0.0
+                cnts[f] = 0.0
+            agree = 0.0
+            li = 0
+            for s in range(NT):
+                if tix[s] < 0:
+                    continue
+                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[tix[s]])
+                shift = meta[M_HASH_SHIFT]
+                first = True
+                for i in range(nl[s]):
+                    tt = tops[li]
+                    li += 1
+                    if tt < 0:
+                        continue
+                    if tt == t:
+                        cnt = topc[li - 1]
+                        agree += 1.0
+                    elif ld[s, i] < nodes[lu[s, i], C_DEPTH]:
+                        cnt = 0.0
+                    else:
+                        c = _find_child(nodes, hash_table, shift, lu[s, i], t)
+                        cnt = weights[c, 0] if c >= 0 else 0.0
+                    st = _STRETCH[min(int(cnt / totp[li - 1] * _LEVELS), _LEVELS - 1)]
+                    f = 1 + s * NB + _bucket(lL[s, i])
+                    sums[f] += st
+                    cnts[f] += 1.0
+                    if first:
+                        sums[1 + NT * NB + s] = st
+                        cnts[1 + NT * NB + s] = 1.0
+                        first = False
+            sums[AGREE] = 2.0 * agree / ntop - 1.0
+            cnts[AGREE] = 1.0
+            sums[0] = 1.0
+            cnts[0] = 1.0
+            z = 0.0
+            for f in range(NIN):
+                if cnts[f] > 0.0:
+                    sums[f] /= cnts[f]
+                    z += wt[so + f] * sums[f]
+            if z > bz:
+                bz = z
+                bt = t
+                for f in range(NIN):
+                    xrow[k, f] = sums[f]
+        q = 1.0 / (1.0 + math.exp(-bz))
+        if P * q < min_prob:
+            break
+        P *= q
+        out_tok[k] = bt
+        out_prob[k] = P
+        xset[k] = so
+        k += 1
+        if k == K:
+            break
+        for s in range(NT):  # every locus follows the drafted token
+            if tix[s] < 0:
+                continue
+            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[tix[s]])
+            shift = meta[M_HASH_SHIFT]
+            m = 0
+            for i in range(nl[s]):
+                u = lu[s, i]
+                d = ld[s, i]
+                if lL[s, i] + 1 > D - 1:
+                    continue
+                if d < nodes[u, C_DEPTH]:
+                    if _edge_token(nodes, seqs, pool, u, d) != bt:
+                        continue
+                else:
+                    c = _find_child(nodes, hash_table, shift, u, bt)
+                    if c < 0:
+                        continue
+                    u = c
+                lu[s, m] = u
+                ld[s, m] = d + 1
+                lL[s, m] = lL[s, i] + 1
+                m += 1
+            r = _find_child(nodes, hash_table, shift, 0, bt)
+            if r >= 0:
+                lu[s, m] = r
+                ld[s, m] = 1
+                lL[s, m] = 1
+                m += 1
+            nl[s] = m
+    return k
+
+
+@njit(cache=True)
+def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+              dtok, dx, dset, dk):
+    """Context-mixing drafts for every row (see the module docstring): request ``handles[r]``
+    drafts up to ``budgets[r]`` tokens from its problem tree (prior ``tprior[tree]``), its request
+    tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
+    Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and ``out_len[r]``, and
+    for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
+    ``dset[h, :k]``, ``dk[h] = k``. ``D``: the trees' max_depth."""
+    width = out_tok.shape[1]
+    lu = np.empty((NT, D + 1), np.int64)
+    ld = np.empty((NT, D + 1), np.int64)
+    lL = np.empty((NT, D + 1), np.int64)
+    nl = np.zeros(NT, np.int64)
+    tix = np.empty(NT, np.int64)
+    priors = np.empty(NT, np.float64)
+    ctx = np.empty(D, np.int32)
+    tops = np.empty(NT * (D + 1), np.int64)
+    topc = np.empty(NT * (D + 1), np.float64)
+    totp = np.empty(NT * (D + 1), np.float64)
+    cand = np.empty(NT * (D + 1), np.int64)
+    sums = np.empty(NIN, np.float64)
+    cnts = np.empty(NIN, np.float64)
+    for r in range(handles.shape[0]):
+        m = budgets[r]
+        h = handles[r]
+        k = 0
+        if m > 0:
+            pt = ri[h, R_PROBLEM_TREE]
+            rt = ri[h, R_REQUEST_TREE]
+            tix[0] = pt
+            tix[1] = rt
+            tix[2] = gti
+            nl[:] = 0
+            if pt >= 0:
+                priors[0] = tprior[pt]
+                nl[0] = _seq_loci(trees[pt], ri[h, R_PROBLEM_SLOT], D, lu, ld, lL, 0)
+            if rt >= 0:
+                priors[1] = req_prior
+                nl[1] = _seq_loci(trees[rt], ri[h, R_REQUEST_SLOT], D, lu, ld, lL, 1)
+            if gti >= 0 and (pt >= 0 or rt >= 0):
+                priors[2] = gprior
+                src = rt if rt >= 0 else pt  # the context's tail: the request's own sequence
+                slot = ri[h, R_REQUEST_SLOT] if rt >= 0 else ri[h, R_PROBLEM_SLOT]
+                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[src])
+                n = min(seqs[slot, S_LEN], D - 1)
+                base = seqs[slot, S_BASE] + seqs[slot, S_LEN] - n
+                for i in range(n):
+                    ctx[i] = pool[base + i]
+                nl[2] = _ctx_loci(trees[gti], ctx, n, D, lu, ld, lL, 2)
+            k = _mix(trees, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
+                     totp, cand, sums, cnts)
+            for j in range(k):
+                dtok[h, j] = out_tok[r, j]
+        dk[h] = k
+        out_len[r] = k
+        for j in range(k, width):
+            out_tok[r, j] = -1
+            out_prob[r, j] = 0.0
+
+
+@njit(cache=True)
+def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk):
+    """Learn from the outcomes of the rows' pending drafts: row ``r``'s verified tokens
+    ``tokens[r, starts[r]:ends[r]]`` against request ``handles[r]``'s last draft ``dtok[h, :dk[h]]``
+    (a row appending nothing leaves its draft pending).
+    Draft token ``j`` was accepted iff it equals verified token ``j`` (a recovered token never
+    equals the draft token it replaces), given tokens ``< j`` were; each known outcome is one
+    logistic-regression step (AdaGrad: ``g2`` holds the squared gradients) on its inputs. Clears
+    ``dk[h]``. Returns the outcomes learned from."""
+    n = 0
+    for r in range(handles.shape[0]):
+        h = handles[r]
+        k = dk[h]
+        a = starts[r]
+        if k <= 0 or ends[r] <= a:  # no draft pending, or no verification yet (nothing appended)
+            continue
+        dk[h] = 0
+        for j in range(min(k, ends[r] - a)):
+            y = 1.0 if dtok[h, j] == tokens[r, a + j] else 0.0
+            so = dset[h, j]
+            z = 0.0
+            for f in range(NIN):
+                z += wt[so + f] * dx[h, j, f]
+            g = 1.0 / (1.0 + math.exp(-z)) - y
+            for f in range(NIN):
+                gf = g * dx[h, j, f]
+                if gf != 0.0:
+                    g2[so + f] += gf * gf
+                    wt[so + f] -= lr * gf / math.sqrt(g2[so + f])
+            n += 1
+            if y == 0.0:
+                break
+    return n

@@ -1,0 +1,108 @@
+"""The "mix" draft chooser: context mixing over scopes, weights learned from accept/reject outcomes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from das import DASDrafter
+from das import _mix_kernels as mixing
+
+PROMPT = [101, 102, 103]
+
+
+def _bias(d: DASDrafter) -> float:
+    return float(d.mixer_weights[0, 0])
+
+
+def test_mix_is_the_default_and_drafts_what_the_history_repeats():
+    d = DASDrafter()
+    assert d.chooser == "mix" and d.min_token_prob == 0.1
+    for _ in range(3):
+        d.add_rollout(PROMPT, [7, 8, 9, 10, 11])
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [7])
+    got = d.speculate("r", 8)
+    assert got.tokens.tolist()[:3] == [8, 9, 10]
+    assert np.all(np.diff(got.probs) <= 0) and 0.0 < got.probs[-1] <= got.probs[0] < 1.0
+    assert got.score == pytest.approx(float(got.probs.sum()))
+
+
+def test_rejected_drafts_lower_the_acceptance_probability_and_accepted_ones_raise_it():
+    """The mixer learns from outcomes: a history the policy keeps contradicting loses confidence."""
+    probs = {}
+    for outcome in ("rejected", "accepted"):
+        d = DASDrafter(global_rollouts=0)
+        seen = []
+        for i in range(41):  # each time a new problem with the same history: only the mixer changes
+            pid = (outcome, i)
+            for _ in range(2):
+                d.add_rollout(PROMPT, [7, 8, 9, 10, 11, 12], problem_id=pid)
+            d.start_request(pid, PROMPT, problem_id=pid)
+            d.add_tokens(pid, [7])
+            draft = d.speculate(pid, 4)
+            seen.append(float(draft.probs[0]) if draft.tokens.size else 0.0)
+            # the engine verifies: all of the draft accepted (+ bonus), or its first token rejected
+            if draft.tokens.size:
+                d.add_tokens(pid, np.append(draft.tokens, 99) if outcome == "accepted" else [50])
+            d.stop_request(pid)
+        probs[outcome] = (seen[0], seen[-1])
+        assert d.outcomes_learned >= 10  # (rejected: drafting stops once its probability falls below min_token_prob)
+    assert probs["rejected"][1] < probs["rejected"][0]
+    assert probs["accepted"][1] > probs["accepted"][0]
+
+
+def test_a_row_without_new_tokens_keeps_its_draft_pending():
+    d = DASDrafter(global_rollouts=0)
+    d.add_rollout(PROMPT, [7, 8, 9, 10])
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [7])
+    assert d.speculate("r", 3).tokens.size
+    before = d.mixer_weights.copy()
+    tok = np.array([PROMPT + [7, 8]], np.int32)
+    n = d.num_tokens(["r"])
+    d.add_tokens_batch(["r"], tok, n, n)  # nothing appended: no verification yet
+    assert d.outcomes_learned == 0 and (d.mixer_weights == before).all()
+    d.add_tokens_batch(["r"], tok, n, n + 1)  # token 8: the first draft token accepted
+    assert d.outcomes_learned >= 1 and not (d.mixer_weights == before).all()
+
+
+def test_the_global_tree_drafts_for_a_problem_never_seen():
+    """A new problem has no history; the global tree holds what other problems' rollouts share."""
+    common = [40, 41, 42, 43, 44, 45]
+    d = DASDrafter()
+    for p in range(4):
+        d.add_rollout([200 + p, 1], [5 + p] + common)
+    assert d.stats()["global_rollouts"] == 4 and d.stats()["global_tree_bytes"] > 0
+    d.start_request("new", [300, 1])
+    d.add_tokens("new", [9, 40, 41])
+    assert d.speculate("new", 4).tokens.tolist()[:2] == [42, 43]
+    off = DASDrafter(global_rollouts=0)
+    for p in range(4):
+        off.add_rollout([200 + p, 1], [5 + p] + common)
+    off.start_request("new", [300, 1])
+    off.add_tokens("new", [9, 40, 41])
+    assert off.speculate("new", 4).tokens.size == 0 and off.stats()["global_rollouts"] == 0
+
+
+def test_global_tree_keeps_the_newest_rollouts_only():
+    d = DASDrafter(global_rollouts=3)
+    for i in range(5):
+        d.add_rollout([1, i], [60 + i, 61 + i])
+    assert d.stats()["global_rollouts"] == 3
+    d.start_request("r", [1, 2])
+    d.stop_request("r")  # a finished live rollout goes in too, the oldest out
+    assert d.stats()["global_rollouts"] == 3
+    d._check_batch_state()
+
+
+def test_initial_weights_average_the_scopes_and_the_schema_names_the_chooser():
+    w = mixing.initial_weights().reshape(mixing.NSETS, mixing.NIN)
+    assert (w[:, 0] == 0).all() and (w[:, 1 : 1 + mixing.NT * mixing.NB] == 0.3).all()
+    assert (w[:, 1 + mixing.NT * mixing.NB :] == 0).all()
+    with pytest.raises(ValueError, match="chooser must be one of mix, walk, got 'best'"):
+        DASDrafter(chooser="best")
+    with pytest.raises(ValueError, match="mix_lr must be a finite number > 0, got 0"):
+        DASDrafter(mix_lr=0)
+    with pytest.raises(ValueError, match="global_rollouts must be >= 0, got -1"):
+        DASDrafter(global_rollouts=-1)
