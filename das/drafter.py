@@ -903,7 +903,8 @@ class DASDrafter:
     def stats(self) -> dict[str, int]:
         """Counters: ``problems``, ``sequences``, ``tokens`` (stored in problem trees, prompt tails
         included), ``nodes``, ``bytes`` (problem trees and the global tree), ``requests`` (live),
-        ``request_tree_bytes``, ``global_rollouts`` (rollouts in the global tree), ``global_tree_bytes``."""
+        ``request_tree_bytes``, ``global_rollouts`` (rollouts in the global tree), ``global_tree_bytes``,
+        ``mix_outcomes`` (draft-token outcomes the ``"mix"`` chooser's mixer learned from)."""
         seqs = toks = nodes = nbytes = 0
         for prob in self._problems.values():
             t = prob.tree
@@ -923,6 +924,7 @@ class DASDrafter:
             "request_tree_bytes": rbytes,
             "global_rollouts": len(self._gseqs),
             "global_tree_bytes": gbytes,
+            "mix_outcomes": self.outcomes_learned,
         }
 
 

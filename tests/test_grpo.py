@@ -205,9 +205,14 @@ def _ks_statistic(x, y) -> float:
 def test_sampled_training_matches_in_distribution(peaked_tiny_model):
     """Under sampling, DAS changes which random numbers are drawn, not the distribution.
 
-    Compared: per-rollout reward and response length, pooled over 2 seeds x 2 steps of the loop (128 rollouts per method)
-    (so the second step's policy already depends on sampled rollouts), with and without DAS,
-    by a two-sample Kolmogorov-Smirnov test at alpha = 0.001 (critical value 1.95 * sqrt((n+m)/nm)).
+    Compared: per-rollout reward and response length of the first step of the loop (the policy is
+    the same for both methods; 2 seeds x 64 rollouts = 128 per method), with and without DAS, by a
+    two-sample Kolmogorov-Smirnov test at alpha = 0.001 (critical value 1.95 * sqrt((n+m)/nm)).
+    Later steps are not pooled: after an update each method's policy depends on its own samples, so
+    their rollouts are clustered by training path, not independent draws of one distribution (over
+    6 seeds the second step's rewards gave KS D = 0.22-0.26 against a critical 0.20 between any two
+    methods, "walk" and "mix" choosers against each other included, while the first step's gave
+    0.05-0.08). That training is unchanged by DAS is checked exactly by the greedy test above.
     """
     from integrations.rl.grpo import run
 
@@ -215,7 +220,7 @@ def test_sampled_training_matches_in_distribution(peaked_tiny_model):
     accepted = 0
     for seed in range(2):
         for method in ("none", "das"):
-            rec = _tiny_recipe(peaked_tiny_model, method, temperature=1.0, seed=seed, samples=8, prompts=4, max_tokens=24)
+            rec = _tiny_recipe(peaked_tiny_model, method, temperature=1.0, seed=seed, samples=8, prompts=8, max_tokens=24, steps=1)
             res = run(rec, reward_fn=_toy_reward, keep_rollouts=True)
             for s in res.steps:
                 pooled[method][0].extend(s["rewards"])
