@@ -18,13 +18,15 @@ length-1 locus is looked up at the root), so a draft token costs one child looku
 Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floats):
 
 * ``[0]`` bias 1;
-* ``[1 + s * NB + b]``: the mean over scope ``s``'s loci whose match length falls in bucket ``b``
+* ``[1 + s * NB + b]``: the mean over scope ``s``'s kept loci (the longest of each bucket) whose match length falls in bucket ``b``
   (1, 2, 3-4, 5-8, 9-16, 17+ tokens) of ``stretch(p)``, ``p = count(t) / (count(all) + prior_s)``
-  clipped to ``[0.002, 0.998]`` (``stretch(p) = ln(p / (1 - p))``); 0 where no locus is there;
+  clipped to ``[0.002, 0.998]`` (``stretch(p) = ln(p / (1 - p))``, read from a table in steps of
+  1/4096); 0 where no locus is there;
 * ``[1 + NT * NB + s]``: ``stretch(p)`` at scope ``s``'s longest locus;
 * ``[NIN - 1]``: agreement, ``2 * (share of all loci whose most frequent next token is t) - 1``.
 
-Candidates: the most frequent next token of every locus. The mixer's logit is ``w[set] . x`` with
+Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
+scopes in order, longest locus first). The mixer's logit is ``w[set] . x`` with
 one weight set per draft position (0, 1, 2, 3+: later tokens are conditioned on earlier ones);
 the token with the largest logit is drafted with conditional probability ``sigmoid(logit)``; the
 draft stops before its path probability (product of those) falls below ``min_prob``. Learning
@@ -151,15 +153,6 @@ def _ctx_loci(mem, ctx, n, D, lu, ld, lL, tr):
         lu[tr, i], ld[tr, i], lL[tr, i] = lu[tr, j], ld[tr, j], lL[tr, j]
         lu[tr, j], ld[tr, j], lL[tr, j] = a, b, e
     return c
-
-
-@njit(cache=True, inline="always")
-def _top_token(nodes, seqs, pool, u, d):
-    """The most frequent next token at locus ``(u, d)`` (-1: none)."""
-    if d < nodes[u, C_DEPTH]:
-        return _edge_token(nodes, seqs, pool, u, d)
-    b = nodes[u, C_BEST]
-    return nodes[b, C_TOKEN] if b >= 0 else -1
 
 
 @njit(cache=True)
