@@ -592,8 +592,11 @@ class DASDrafter:
     def speculate(self, req_id: Hashable, max_tokens: int) -> Draft:
         """Draft up to ``max_tokens`` tokens for a live request.
 
-        Drafts from the problem tree and (if enabled) the request tree with the request's context
-        (prompt + output so far); returns the higher-score draft (ties: the problem tree's).
+        ``"walk"``: drafts from the problem tree and (if enabled) the request tree with the
+        request's context (prompt + output so far); returns the higher-score draft (ties: the
+        problem tree's). ``"mix"``: the mixed draft of all scopes (:mod:`das._mix_kernels`), its
+        ``match_len`` 0 (no single anchor); the draft stays pending until the next
+        :meth:`add_tokens`, which teaches the mixer its outcome.
 
         Raises:
             KeyError: unknown request.
