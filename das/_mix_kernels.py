@@ -67,8 +67,8 @@ AGREE = NIN - 1
 _CLIP = 0.002
 MAX_CAND = 4  # candidate tokens per draft position (the first distinct most-frequent tokens of the loci)
 _LEVELS = 4096  # stretch() from a table over probabilities in steps of 1/4096, as PAQ's mixers do
-_STRETCH = np.log(np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)
-                  / (1.0 - np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)))
+_P = np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)
+_STRETCH = np.log(_P / (1.0 - _P))
 
 
 def initial_weights() -> np.ndarray:
@@ -220,19 +220,19 @@ def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_pr
                 shift = meta[M_HASH_SHIFT]
                 first = True
                 for i in range(nl[s]):
-                    tt = tops[li]
+                    j = li  # this locus's entry in tops / topc / totp
                     li += 1
-                    if tt < 0:
+                    if tops[j] < 0:
                         continue
-                    if tt == t:
-                        cnt = topc[li - 1]
+                    if tops[j] == t:
+                        cnt = topc[j]
                         agree += 1.0
                     elif ld[s, i] < nodes[lu[s, i], C_DEPTH]:
                         cnt = 0.0
                     else:
                         c = _find_child(nodes, hash_table, shift, lu[s, i], t)
                         cnt = weights[c, 0] if c >= 0 else 0.0
-                    st = _STRETCH[min(int(cnt / totp[li - 1] * _LEVELS), _LEVELS - 1)]
+                    st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)]
                     f = 1 + s * NB + _bucket(lL[s, i])
                     sums[f] += st
                     cnts[f] += 1.0
