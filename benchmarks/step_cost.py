@@ -19,7 +19,8 @@ from prefill, undrafted). Each step every row gets ``accepted + 1`` tokens, ``ac
 longest common prefix of its last draft and the rollout's real continuation (what lossless
 verification accepts for a deterministic drafter). To reach a row count the iteration's rollouts
 are replicated as distinct problems (copy ``c`` of problem ``p`` is problem ``p#c``, with its
-own copy of the history), so that at least ``3 x rows`` rollouts are queued. Only steps with
+own copy of the history, its token ids shifted by ``c x 49,157`` modulo 2**20 so that copies do
+not draft from each other through the global tree), so that at least ``3 x rows`` rollouts are queued. Only steps with
 every row running count (at most ``--max-steps``). Starting and stopping requests (a few per
 step) is timed apart (``lifecycle_ms_mean``), as it is not per-row work.
 
@@ -71,6 +72,16 @@ def find_trace(path: str | None) -> Path | None:
     return found[0] if found else None
 
 
+COPY_SHIFT = 49_157  # token id shift per copy: more than SmolLM2's vocabulary (49,152)
+
+
+def copy_tokens(tokens: np.ndarray, c: int) -> np.ndarray:
+    """Copy ``c``'s tokens (``int32``): ids shifted by ``c * COPY_SHIFT`` modulo 2**20 (the
+    drafter's token range), so copies of one rollout do not match each other in a tree shared by
+    problems (the global tree): a copy is a distinct problem in its own token alphabet."""
+    return ((tokens.astype(np.int64) + c * COPY_SHIFT) % (1 << 20)).astype(np.int32)
+
+
 class Workload:
     """The trace, replicated for ``rows`` running requests (see the module docstring)."""
 
@@ -80,7 +91,7 @@ class Workload:
         copies = max(1, -(-QUEUE * rows // len(current)))
         self.copies = copies
         # queued rollouts: (problem id, prompt, full = prompt + output)
-        self.pool = [(f"{r.pid}#{c}", r.prompt, r.full) for c in range(copies) for r in current]
+        self.pool = [(f"{r.pid}#{c}", copy_tokens(r.prompt, c), copy_tokens(r.full, c)) for c in range(copies) for r in current]
         self.width = max(full.shape[0] for _, _, full in self.pool)
         self.rows = rows
 
@@ -92,7 +103,7 @@ class Workload:
             d.begin_iteration(v + 1)
             for c in range(self.copies):
                 for r in rollouts:
-                    d.add_rollout(r.prompt, r.output, problem_id=f"{r.pid}#{c}")
+                    d.add_rollout(copy_tokens(r.prompt, c), copy_tokens(r.output, c), problem_id=f"{r.pid}#{c}")
         d.begin_iteration(len(self.history) + 1)
         return d
 
@@ -113,6 +124,7 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
     perf, cpu = time.perf_counter_ns, time.thread_time_ns
     wall_ns: list[int] = []
     cpu_ns: list[int] = []
+    add_ns: list[int] = []  # the appending part of wall_ns
     life_ns = 0
     steps = 0
     tokens = 0
@@ -159,6 +171,7 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
                     s, e = int(seen[r]), int(num[r])
                     if e > s:
                         d.add_tokens(rids[r], tok[r, s:e])
+                wa = perf()
                 out = [d.speculate(rids[r], k) for r in range(R)]
                 c1, w1 = cpu(), perf()
                 for r, dr in enumerate(out):
@@ -168,11 +181,13 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
             else:
                 w0, c0 = perf(), cpu()
                 d.add_tokens_batch(rids, tok, None, num)
+                wa = perf()
                 res = d.speculate_batch(rids, budgets)
                 c1, w1 = cpu(), perf()
                 drafts[:, : res.tokens.shape[1]] = res.tokens
                 dlen[:] = res.lengths
             wall_ns.append(w1 - w0)
+            add_ns.append(wa - w0)
             cpu_ns.append(c1 - c0)
             steps += 1
             seen[:] = num
@@ -190,16 +205,19 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
     finally:
         if gc_was:
             gc.enable()
-    return {"wall_ns": np.asarray(wall_ns, np.int64), "cpu_ns": np.asarray(cpu_ns, np.int64), "steps": steps,
+    return {"wall_ns": np.asarray(wall_ns, np.int64), "cpu_ns": np.asarray(cpu_ns, np.int64),
+            "add_ns": np.asarray(add_ns, np.int64), "steps": steps,
             "tokens": tokens, "lifecycle_ns": life_ns, "drafter": d.stats()}
 
 
 def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
     wall = np.min(np.stack([r["wall_ns"] for r in runs]), axis=0) / 1e6
     cpu_ms = np.min(np.stack([r["cpu_ns"] for r in runs]), axis=0) / 1e6
+    add = np.min(np.stack([r["add_ns"] for r in runs]), axis=0) / 1e6
     r0 = runs[0]
     return {
         "p50_ms": round(float(np.percentile(wall, 50)), 4),
+        "add_p50_ms": round(float(np.percentile(add, 50)), 4),  # appending (the rest of the step: drafting)
         "p99_ms": round(float(np.percentile(wall, 99)), 4),
         "mean_ms": round(float(wall.mean()), 4),
         "cpu_p50_ms": round(float(np.percentile(cpu_ms, 50)), 4),
@@ -212,13 +230,14 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
     }
 
 
-def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=PATHS) -> dict[str, Any]:
+def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=PATHS,
+            config: dict[str, Any] | None = None) -> dict[str, Any]:
     work = Workload(iterations, rows)
     runs: dict[str, list] = {p: [] for p in paths}
     for i in range(repeats):
         for p in (paths if i % 2 == 0 else paths[::-1]):
             print(f"rows {rows}: {p} (repeat {i + 1}/{repeats}) ...", file=sys.stderr, flush=True)
-            runs[p].append(simulate(work, p, k, max_steps))
+            runs[p].append(simulate(work, p, k, max_steps, config))
     steps = {p: {r["steps"] for r in rs} for p, rs in runs.items()}
     if len({s for v in steps.values() for s in v}) != 1:
         raise AssertionError(f"the paths drafted differently (steps per run: {steps})")
@@ -232,11 +251,11 @@ def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=P
     return res
 
 
-def warm_up(iterations, k: int, paths=PATHS) -> None:
+def warm_up(iterations, k: int, paths=PATHS, config: dict[str, Any] | None = None) -> None:
     """Load every kernel (numba's disk cache) and the typed-list code before timing."""
     small = [rs[:8] for rs in iterations]
     for p in paths:
-        simulate(Workload(small, 4), p, k, 20)
+        simulate(Workload(small, 4), p, k, 20, config)
 
 
 def cpu_model() -> str:
@@ -263,14 +282,14 @@ def format_table(report: dict[str, Any]) -> str:
             sp = ""
             if name == "batch" and e.get("per_row"):
                 sp = f"{e['per_row']['p50_ms'] / x['p50_ms']:.1f}x"
-            rows.append([int(key), name, *(float(x[k]) for k in ("p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "us_per_row_p50")),
+            rows.append([int(key), name, *(float(x[k]) for k in ("p50_ms", "add_p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "us_per_row_p50")),
                          int(x["steps"]), float(x["tokens_per_row_step"]), sp])
-    head = ["rows", "path", "p50_ms", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "speedup_p50"]
+    head = ["rows", "path", "p50_ms", "append_p50", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "speedup_p50"]
     machine = report["machine"]
     title = (f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, {report['trace']['iterations']} iterations); "
              f"K = {report['k']}; CPU: {machine['cpu']} ({machine['cpu_count']} cores)")
-    table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ""], colalign=[
-        "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
+    table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ""], colalign=[
+        "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
     return f"{title}\n\n{table}"
 
 
@@ -284,6 +303,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=400, help="engine steps per run at most")
     p.add_argument("--repeats", type=int, default=3, help="runs per path, interleaved (a step's time: its fastest)")
     p.add_argument("--paths", default=",".join(PATHS), help="per_row, batch or both")
+    p.add_argument("--das", default=None, help="JSON of DASDrafter settings (e.g. '{\"chooser\": \"walk\"}'); default: the defaults")
     p.add_argument("--json", default=None, help="write the report here")
     return p.parse_args(argv)
 
@@ -304,18 +324,27 @@ def main(argv=None) -> int:
         where = f" at {trace}" if trace else " cached"
         print(f"no rollout trace{where}; record one with:\n  {RECORD_HINT}", file=sys.stderr)
         return 2
+    try:
+        config = json.loads(args.das) if args.das else {}
+    except json.JSONDecodeError as e:
+        print(f"--das must be a JSON object of DASDrafter settings, got {args.das!r}: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(config, dict):
+        print(f"--das must be a JSON object of DASDrafter settings, got {args.das!r}", file=sys.stderr)
+        return 2
     iterations = load_trace(trace)
-    warm_up(iterations, args.k, paths)
+    warm_up(iterations, args.k, paths, config)
     report: dict[str, Any] = {
         "trace": {"path": str(trace), "iterations": len(iterations), "rollouts": sum(len(r) for r in iterations),
                   "mean_output_tokens": round(float(np.mean([r.output.shape[0] for rs in iterations for r in rs])), 1)},
         "k": args.k,
+        "das": config,
         "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg_1m_at_start": round(os.getloadavg()[0], 2)},
         "rows": {},
     }
     for n in rows:
-        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths)
+        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths, config)
     report["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(format_table(report))
     if args.json:

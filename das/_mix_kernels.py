@@ -44,6 +44,7 @@ from numba import njit
 from das._trie_kernels import (
     C_BEST,
     C_DEPTH,
+    C_NCHILD,
     C_TOKEN,
     M_HASH_SHIFT,
     R_PROBLEM_SLOT,
@@ -69,6 +70,7 @@ MAX_CAND = 4  # candidate tokens per draft position (the first distinct most-fre
 _LEVELS = 4096  # stretch() from a table over probabilities in steps of 1/4096, as PAQ's mixers do
 _P = np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)
 _STRETCH = np.log(_P / (1.0 - _P))
+_ST0 = _STRETCH[0]  # stretch of a count of 0
 
 
 def initial_weights() -> np.ndarray:
@@ -155,22 +157,93 @@ def _ctx_loci(mem, ctx, n, D, lu, ld, lL, tr):
     return c
 
 
+@njit(cache=True, inline="always")
+def _scope_mem(s, m0, m1, m2):
+    """Scope ``s``'s tree buffer (fetched from the tree table once per row: an item of a numba
+    typed List costs a call and a reference count, a local array nothing)."""
+    if s == 0:
+        return m0
+    if s == 1:
+        return m1
+    return m2
+
+
 @njit(cache=True)
-def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_prob, xrow, xset, tops, topc, totp, cand, sums,
-         cnts):
-    """Draft up to ``K`` tokens by mixing the loci of scopes ``tix[s]`` (-1: absent). Writes the
+def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts):
+    """An upper bound of the mixer's logit for every candidate but the first (``cand[1:nc]``),
+    from the loci's top counts alone (no child lookups): at a locus whose most frequent token is
+    the first candidate, another token has at most the rest of the count, elsewhere at most the
+    top count; each input lies between its value at those counts and at a count of 0, and the
+    logit is bounded input by input by the larger of ``w * low`` and ``w * high``. Uses ``sums``
+    and ``cnts`` as scratch."""
+    a = cand[0]
+    for f in range(NIN):
+        sums[f] = 0.0
+        cnts[f] = 0.0
+    li = 0
+    for s in range(NT):
+        if tix[s] < 0:
+            continue
+        first = True
+        for i in range(nl[s]):
+            j = li
+            li += 1
+            if tops[j] < 0:
+                continue
+            if tops[j] != a:
+                c = topc[j]
+            elif only[j]:
+                c = 0.0
+            else:
+                c = max(totr[j] - topc[j], 0.0) * (1.0 + 1e-9)  # the margin covers the rounding of the totals
+            st = _STRETCH[min(int(c / totp[j] * _LEVELS), _LEVELS - 1)] if c > 0.0 else _ST0
+            f = feat[j]
+            sums[f] += st
+            cnts[f] += 1.0
+            if first:
+                sums[1 + NT * NB + s] = st
+                cnts[1 + NT * NB + s] = 1.0
+                first = False
+    most = 0.0
+    for ci in range(1, nc):
+        m = 0.0
+        for j in range(ntop):
+            if tops[j] == cand[ci]:
+                m += 1.0
+        most = max(most, m)
+    z = wt[so]  # the bias input is 1 for every candidate
+    for f in range(1, NIN):
+        if f == AGREE:
+            hi = 2.0 * most / ntop - 1.0
+            lo = -1.0
+        elif cnts[f] > 0.0:
+            hi = sums[f] / cnts[f]
+            lo = _ST0
+        else:
+            continue
+        w = wt[so + f]
+        z += max(w * hi, w * lo)
+    return z + 1e-9 * (1.0 + abs(z))  # a margin for the rounding of the exact logits
+
+
+@njit(cache=True)
+def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
+         only, cand, sums, cnts):
+    """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
+    ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
     draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
     and weight set to ``xset[j]``; returns its length."""
     P = 1.0
     k = 0
     while k < K:
-        # each locus once: its most frequent next token (tops), that token's count and the total
+        # each locus once: its most frequent next token (tops), that token's count, the total + prior
+        # (totp), its input (feat), whether t is its only continuation (only), longest of its scope
         ntop = 0
         nc = 0
         for s in range(NT):
             if tix[s] < 0:
                 continue
-            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[tix[s]])
+            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
             for i in range(nl[s]):
                 u = lu[s, i]
                 d = ld[s, i]
@@ -178,6 +251,7 @@ def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_pr
                     t = _edge_token(nodes, seqs, pool, u, d)
                     tot = weights[u, 0]
                     top = tot
+                    only[ntop] = True
                 else:
                     b = nodes[u, C_BEST]
                     tot = weights[u, 1]
@@ -187,9 +261,12 @@ def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_pr
                     else:
                         t = nodes[b, C_TOKEN]
                         top = weights[b, 0]
+                    only[ntop] = nodes[u, C_NCHILD] == 1
                 tops[ntop] = t
                 topc[ntop] = top
+                totr[ntop] = tot
                 totp[ntop] = tot + priors[s] if t >= 0 else 0.0
+                feat[ntop] = 1 + s * NB + _bucket(lL[s, i])
                 ntop += 1
                 if t < 0:
                     continue
@@ -207,6 +284,8 @@ def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_pr
         bz = -1e300
         bt = -1
         for ci in range(nc):
+            if ci == 1 and _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts) < bz:
+                break  # no other candidate can beat the first: skip their lookups (the same draft)
             t = cand[ci]
             for f in range(NIN):
                 sums[f] = 0.0
@@ -216,24 +295,24 @@ def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_pr
             for s in range(NT):
                 if tix[s] < 0:
                     continue
-                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[tix[s]])
+                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
                 shift = meta[M_HASH_SHIFT]
                 first = True
                 for i in range(nl[s]):
-                    j = li  # this locus's entry in tops / topc / totp
+                    j = li  # this locus's entry in tops / topc / totp / feat / only
                     li += 1
                     if tops[j] < 0:
                         continue
                     if tops[j] == t:
-                        cnt = topc[j]
+                        st = _STRETCH[min(int(topc[j] / totp[j] * _LEVELS), _LEVELS - 1)]
                         agree += 1.0
-                    elif ld[s, i] < nodes[lu[s, i], C_DEPTH]:
-                        cnt = 0.0
+                    elif only[j]:
+                        st = _ST0  # t is not this locus's continuation
                     else:
                         c = _find_child(nodes, hash_table, shift, lu[s, i], t)
                         cnt = weights[c, 0] if c >= 0 else 0.0
-                    st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)]
-                    f = 1 + s * NB + _bucket(lL[s, i])
+                        st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)] if cnt > 0.0 else _ST0
+                    f = feat[j]
                     sums[f] += st
                     cnts[f] += 1.0
                     if first:
@@ -267,7 +346,7 @@ def _mix(trees, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_pr
         for s in range(NT):  # every locus follows the drafted token
             if tix[s] < 0:
                 continue
-            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[tix[s]])
+            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
             shift = meta[M_HASH_SHIFT]
             m = 0
             for i in range(nl[s]):
@@ -316,7 +395,10 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     ctx = np.empty(D, np.int32)
     tops = np.empty(NT * (D + 1), np.int64)
     topc = np.empty(NT * (D + 1), np.float64)
+    totr = np.empty(NT * (D + 1), np.float64)
     totp = np.empty(NT * (D + 1), np.float64)
+    feat = np.empty(NT * (D + 1), np.int64)
+    only = np.empty(NT * (D + 1), np.bool_)
     cand = np.empty(NT * (D + 1), np.int64)
     sums = np.empty(NIN, np.float64)
     cnts = np.empty(NIN, np.float64)
@@ -324,31 +406,34 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
         m = budgets[r]
         h = handles[r]
         k = 0
-        if m > 0:
-            pt = ri[h, R_PROBLEM_TREE]
-            rt = ri[h, R_REQUEST_TREE]
+        pt = ri[h, R_PROBLEM_TREE]
+        rt = ri[h, R_REQUEST_TREE]
+        if m > 0 and (pt >= 0 or rt >= 0):
             tix[0] = pt
             tix[1] = rt
             tix[2] = gti
+            m0 = trees[pt] if pt >= 0 else trees[rt]  # scopes' buffers (an absent scope's: a placeholder)
+            m1 = trees[rt] if rt >= 0 else m0
+            m2 = trees[gti] if gti >= 0 else m0
             nl[:] = 0
             if pt >= 0:
                 priors[0] = tprior[pt]
-                nl[0] = _seq_loci(trees[pt], ri[h, R_PROBLEM_SLOT], D, lu, ld, lL, 0)
+                nl[0] = _seq_loci(m0, ri[h, R_PROBLEM_SLOT], D, lu, ld, lL, 0)
             if rt >= 0:
                 priors[1] = req_prior
-                nl[1] = _seq_loci(trees[rt], ri[h, R_REQUEST_SLOT], D, lu, ld, lL, 1)
-            if gti >= 0 and (pt >= 0 or rt >= 0):
+                nl[1] = _seq_loci(m1, ri[h, R_REQUEST_SLOT], D, lu, ld, lL, 1)
+            if gti >= 0:
                 priors[2] = gprior
-                src = rt if rt >= 0 else pt  # the context's tail: the request's own sequence
+                # the context's tail: the request's own sequence
+                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(m1 if rt >= 0 else m0)
                 slot = ri[h, R_REQUEST_SLOT] if rt >= 0 else ri[h, R_PROBLEM_SLOT]
-                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[src])
                 n = min(seqs[slot, S_LEN], D - 1)
                 base = seqs[slot, S_BASE] + seqs[slot, S_LEN] - n
                 for i in range(n):
                     ctx[i] = pool[base + i]
-                nl[2] = _ctx_loci(trees[gti], ctx, n, D, lu, ld, lL, 2)
-            k = _mix(trees, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
-                     totp, cand, sums, cnts)
+                nl[2] = _ctx_loci(m2, ctx, n, D, lu, ld, lL, 2)
+            k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
+                     totr, totp, feat, only, cand, sums, cnts)
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]
         dk[h] = k

@@ -116,21 +116,28 @@ class SuffixTree:
         max_depth: longest stored string (tokens); drafts match at most ``max_depth - 1`` context
             tokens but may run longer than ``max_depth`` (they re-anchor). Default 24, as
             arctic-inference / vLLM's ``suffix`` method.
+        capacity: tokens the trie is expected to hold (a sizing hint, default 0): node rows and
+            pool are allocated for that many up front, so that a tree growing token by token (a
+            live request's) is not moved to a larger buffer every few steps. It grows past it as
+            needed.
 
     Raises:
-        ValueError: ``max_depth < 1`` or not an int.
+        ValueError: ``max_depth < 1`` or not an int; ``capacity`` negative or not an int.
     """
 
     __slots__ = ("_max_depth", "_buffer", "_nodes", "_weights", "_hash_table", "_meta", "_seq_table", "_pool", "_seqs",
                  "_slots", "_free_slots", "_next_id", "_draft_buf", "_pool_top", "_pool_garbage", "_zombies", "_zombie_tokens",
-                 "_buffer_listener")
+                 "_buffer_listener", "_capacity")
 
-    def __init__(self, max_depth: int = 24):
+    def __init__(self, max_depth: int = 24, capacity: int = 0):
         if isinstance(max_depth, bool) or not isinstance(max_depth, (int, np.integer)) or max_depth < 1:
             raise ValueError(f"max_depth must be an int >= 1, got {max_depth!r}")
         if max_depth > 10_000:
             raise ValueError(f"max_depth must be <= 10000, got {max_depth!r}")
+        if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < 0:
+            raise ValueError(f"capacity must be an int >= 0 (tokens), got {capacity!r}")
         self._max_depth = int(max_depth)
+        self._capacity = int(capacity)
         self._buffer_listener = None  # called with the new buffer whenever the trie moves to one (see _set_buffer)
         self._next_id = 0
         self._draft_buf = (np.empty(0, np.int32), np.empty(0, np.float32))
@@ -140,9 +147,9 @@ class SuffixTree:
     # ------------------------------------------------------------------ storage
     def _reset(self) -> None:
         D = self._max_depth
-        ncap = max(_INIT_NODES, 4 * D)
+        ncap = max(_INIT_NODES, 4 * D, 2 * self._capacity)  # a stored token adds at most 2 nodes (a leaf and a split)
         hcap = _pow2(max(_INIT_HASH_MIN, 4 * kernels.hash_headroom(D)))
-        meta, words = kernels.buffer_layout(D, ncap, hcap, _INIT_SEQS, _INIT_POOL)
+        meta, words = kernels.buffer_layout(D, ncap, hcap, _INIT_SEQS, max(_INIT_POOL, self._capacity))
         self._buffer = np.empty(words, np.int64)
         self._buffer[: kernels.M_LEN] = meta
         self._set_buffer()
@@ -304,26 +311,33 @@ class SuffixTree:
                 self._insert(slot, toks, w)
 
     # ------------------------------------------------------------------ updates
-    def add(self, tokens=(), weight: float = 1.0) -> int:
+    def add(self, tokens=(), weight: float = 1.0, reserve: int = 0) -> int:
         """Store a new sequence.
 
         Args:
             tokens: 1-D integer array-like of token ids in ``[0, 2**20)``; may be empty (then
                 :meth:`extend` it later).
             weight: positive finite float; each occurrence in this sequence counts ``weight``.
+            reserve: tokens of room to keep for the sequence in the pool (a sizing hint for one
+                that :meth:`extend` will grow, e.g. a live rollout): its tokens are not moved until
+                it outgrows ``max(reserve, len(tokens))``. Default 0 (room grows by doubling).
 
         Returns:
             The new sequence id (int, never reused by this tree).
 
         Raises:
-            ValueError: bad weight, tokens not a 1-D integer array, or a token out of range (the
-                message names it; nothing is stored then).
+            ValueError: bad weight, tokens not a 1-D integer array, a token out of range, or a
+                negative ``reserve`` (the message names it; nothing is stored then).
         """
         w = _check_weight(weight)
         arr = as_tokens(tokens)
         if arr.shape[0]:
             _check_range(arr)
+        if isinstance(reserve, bool) or not isinstance(reserve, (int, np.integer)) or reserve < 0:
+            raise ValueError(f"reserve must be an int >= 0 (tokens), got {reserve!r}")
         slot = self._new_slot()
+        if reserve > arr.shape[0]:
+            self._reserve(slot, int(reserve))
         sid = self._next_id
         self._next_id += 1
         self._seqs[sid] = [slot, w]

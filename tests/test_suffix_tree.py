@@ -461,3 +461,34 @@ def test_kernel_access_slots_buffer_and_listener():
         t.slot(a)
     with pytest.raises(KeyError):
         t.slot_and_weight(a)
+
+
+def test_reserve_and_capacity_keep_a_growing_sequence_in_place():
+    """``add(..., reserve=n)`` keeps room for the sequence to grow to ``n`` tokens without moving its
+    pooled tokens, and ``SuffixTree(capacity=n)`` sizes the buffer so that the trie is not moved to a
+    larger one while it grows to ``n`` tokens; counts are as without the hints."""
+    from das import _trie_kernels as kernels
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, 50, 300)
+    hinted = SuffixTree(12, capacity=320)
+    plain = SuffixTree(12)
+    h = hinted.add(toks[:20], reserve=320)
+    p = plain.add(toks[:20])
+    buf = hinted._buffer
+    base = int(hinted._seq_table[hinted.slot(h), kernels.S_BASE])
+    moves = 0
+    for i in range(20, 300, 7):
+        hinted.extend(h, toks[i : i + 7])
+        plain.extend(p, toks[i : i + 7])
+        moves += hinted._buffer is not buf
+        assert int(hinted._seq_table[hinted.slot(h), kernels.S_BASE]) == base
+    assert moves == 0
+    np.testing.assert_array_equal(hinted.sequence(h), plain.sequence(p))
+    for ctx in ([int(toks[50])], toks[100:104].tolist(), toks[200:210].tolist()):
+        assert hinted.continuations(ctx) == plain.continuations(ctx)
+    hinted.check_invariants()
+    with pytest.raises(ValueError, match=r"reserve must be an int >= 0 \(tokens\), got -1"):
+        hinted.add([1], reserve=-1)
+    with pytest.raises(ValueError, match=r"capacity must be an int >= 0 \(tokens\), got 2.5"):
+        SuffixTree(12, capacity=2.5)
