@@ -180,14 +180,12 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
     for f in range(NIN):
         sums[f] = 0.0
         cnts[f] = 0.0
-    li = 0
+    j0 = 0
     for s in range(NT):
         if tix[s] < 0:
             continue
         first = True
-        for i in range(nl[s]):
-            j = li
-            li += 1
+        for j in range(j0, j0 + nl[s]):  # scope s's loci in tops / topc / totr / totp / feat / only
             if tops[j] < 0:
                 continue
             if tops[j] != a:
@@ -204,6 +202,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
                 sums[1 + NT * NB + s] = st
                 cnts[1 + NT * NB + s] = 1.0
                 first = False
+        j0 += nl[s]
     most = 0.0
     for ci in range(1, nc):
         m = 0.0
