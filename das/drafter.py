@@ -718,7 +718,7 @@ class DASDrafter:
         else:
             req.tree.extend(req.tree_seq, seg[done:])
 
-    def speculate_batch(self, req_ids: Sequence[Hashable], budgets) -> DraftBatch:
+    def speculate_batch(self, req_ids: Sequence[Hashable], budgets, min_prob: float | None = None) -> DraftBatch:
         """Draft for many live requests in one call: row ``r`` gets up to ``budgets[r]`` tokens
         for request ``req_ids[r]``.
 
@@ -729,6 +729,10 @@ class DASDrafter:
             req_ids: sequence (``len()``-able) of live request ids, one per row.
             budgets: 1-D integer array of ``len(req_ids)``, draft tokens per row, each ``>= 0``
                 (0: no draft for that row).
+            min_prob: float in ``[0, 1]``, this call's ``min_token_prob`` (drafts stop before
+                their path probability falls below it); None: the drafter's. A caller that
+                prices verification (the vLLM proposer's ``cost`` budget) passes the probability
+                below which no draft token can pay for itself in this step.
 
         Returns:
             :class:`DraftBatch` ``(tokens int32[rows, K], probs float32[rows, K], lengths
@@ -737,11 +741,13 @@ class DASDrafter:
         Raises:
             KeyError: an id that is not a live request.
             ValueError: ``budgets`` of the wrong shape or dtype, or a negative budget (the
-                message names the row and the value).
+                message names the row and the value); ``min_prob`` outside ``[0, 1]``.
         """
         handles = self._handles_of(req_ids)
         rows = handles.shape[0]
         budgets = _row_vector(budgets, "budgets", rows)
+        mp = self.min_token_prob if min_prob is None else _float_arg(min_prob, "min_prob", "a number in [0, 1]",
+                                                                     lambda f: 0.0 <= f <= 1.0)
         kmax = 0
         if rows:
             if int(budgets.min()) < 0:
@@ -756,11 +762,11 @@ class DASDrafter:
                 self._grow_pending(kmax)
             gti = self._gti if self._gseqs else -1
             mixing.mix_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets,
-                             self.min_token_prob, self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx,
+                             mp, self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx,
                              self._dset, self._dk)
         elif rows:
             kernels.draft_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets,
-                                self.min_token_prob, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
+                                mp, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
         return DraftBatch(tokens, probs, lengths)
 
     def _grow_pending(self, k: int) -> None:

@@ -113,3 +113,44 @@ def drafting_can_pay(rows: int, max_drafts: int, plain_s: float, spec_base_s: fl
         return False
     plain_rate = rows / plain_s
     return any((rows + best_prob * m) / (spec_base_s + per_draft_s * m) > plain_rate for m in (1, max_drafts))
+
+
+RAW_GRID = np.linspace(0.0, 1.0, 201)  # raw probabilities a calibrated cutoff is read back on (steps of 0.005)
+
+
+def break_even_prob(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, calibration: float = 1.0,
+                    prob_map: Callable[[np.ndarray], np.ndarray] | None = None) -> float:
+    """The raw path probability below which :func:`choose_drafts` keeps no draft token this step.
+
+    The kept set of ``m`` tokens beats the plain step's rate ``rows / plain_s``, and removing its
+    least likely token ``p`` does not raise its rate, so ``p >= per_draft_s * rows / plain_s`` when
+    ``m >= 2``; a single kept token needs ``(rows + p) / (spec_base_s + per_draft_s) > rows /
+    plain_s``. The smaller of the two bounds the calibrated probability of every kept token; it is
+    read back through ``prob_map`` (non-decreasing) at the largest row factor ``calibration`` to
+    the raw grid point just below it. A drafter told to stop below the result makes every draft
+    :func:`choose_drafts` would keep, and no longer ones than it needs (few rows: a low cutoff,
+    long drafts; a full batch: a high one, short drafts).
+
+    Args:
+        rows: rows in the step (``>= 1``); plain_s, spec_base_s, per_draft_s: as in :func:`choose_drafts`.
+        calibration: the largest per-row factor on the (mapped) probabilities (``>= 0``).
+        prob_map: the map of raw to calibrated probabilities, or None (identity).
+
+    Returns:
+        A raw probability in ``[0, 1]`` (1.0: no draft token can pay).
+
+    Raises:
+        ValueError: ``rows < 1``, a non-positive time, negative ``per_draft_s`` or ``calibration``.
+    """
+    if rows < 1:
+        raise ValueError(f"rows must be >= 1, got {rows!r}")
+    if not (plain_s > 0 and spec_base_s > 0):
+        raise ValueError(f"plain_s and spec_base_s must be > 0 seconds, got {plain_s!r}, {spec_base_s!r}")
+    if not per_draft_s >= 0:
+        raise ValueError(f"per_draft_s must be >= 0 seconds per token, got {per_draft_s!r}")
+    if not calibration >= 0:
+        raise ValueError(f"calibration must be >= 0, got {calibration!r}")
+    need = min(per_draft_s * rows / plain_s, max(0.0, rows * (spec_base_s + per_draft_s) / plain_s - rows))
+    mapped = (np.asarray(prob_map(RAW_GRID), np.float64) if prob_map is not None else RAW_GRID) * calibration
+    i = int(np.searchsorted(np.minimum(mapped, 1.0), need, side="left"))  # the first grid point that reaches it
+    return float(RAW_GRID[max(i - 1, 0)]) if i < RAW_GRID.size else 1.0

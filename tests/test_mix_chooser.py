@@ -106,3 +106,23 @@ def test_initial_weights_average_the_scopes_and_the_schema_names_the_chooser():
         DASDrafter(mix_lr=0)
     with pytest.raises(ValueError, match="global_rollouts must be >= 0, got -1"):
         DASDrafter(global_rollouts=-1)
+
+
+@pytest.mark.parametrize("chooser", ["mix", "walk"])
+def test_a_calls_min_prob_moves_where_drafts_stop(chooser):
+    """``speculate_batch(..., min_prob=p)`` stops drafts before their path probability falls
+    below ``p`` (the proposer's per-step break-even cutoff): a lower cutoff drafts at least as far
+    along the same path, a higher one stops earlier; out of [0, 1] is refused by name."""
+    d = DASDrafter(chooser=chooser, global_rollouts=0)
+    for i in range(6):  # a history that branches at every other token: path probabilities fall along the draft
+        d.add_rollout(PROMPT, [7, 8 + i % 2, 9, 10 + i % 3, 11, 12 + i % 2, 13, 14 + i % 3, 15])
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [7])
+    got = {p: d.speculate_batch(["r"], [16], min_prob=p) for p in (0.02, 0.1, 0.5)}
+    n = {p: int(g.lengths[0]) for p, g in got.items()}
+    assert n[0.02] > n[0.5] and n[0.02] >= n[0.1] >= n[0.5]
+    for p, g in got.items():
+        assert np.all(g.probs[0, : n[p]] >= p)
+        np.testing.assert_array_equal(g.tokens[0, : n[0.5]], got[0.5].tokens[0, : n[0.5]])
+    with pytest.raises(ValueError, match=r"min_prob must be a number in \[0, 1\], got 1.5"):
+        d.speculate_batch(["r"], [4], min_prob=1.5)

@@ -43,3 +43,41 @@ def test_bad_costs_are_named():
     with pytest.raises(ValueError, match="c_tok"):
         select_drafts([np.ones(1)], 0.1, -1.0)
 
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_break_even_cutoff_keeps_every_draft_choose_drafts_keeps(seed):
+    """Drafts cut at ``break_even_prob`` give ``choose_drafts`` the same choice as uncut drafts
+    (every kept token lies above the cutoff), for plain and speculative steps priced apart, a
+    learned calibration map and per-row factors; few rows give a lower cutoff than many."""
+    from scheduler.calibration import AcceptanceCalibration
+    from scheduler.step_policy import break_even_prob, choose_drafts
+
+    rng = np.random.default_rng(seed)
+    rows = int(rng.integers(1, 40))
+    probs = [np.sort(rng.uniform(0, 1, rng.integers(0, 12)))[::-1].cumprod() for _ in range(rows)]
+    plain = rng.uniform(0.02, 0.2)
+    spec_base = plain * rng.uniform(0.9, 1.3)
+    per_draft = rng.uniform(0.0005, 0.01)
+    cal = rng.uniform(0.5, 1.5, rows)
+    calib = AcceptanceCalibration()
+    p = rng.uniform(0, 1, 400)
+    calib.observe(p, rng.uniform(0, 1, 400) < p * rng.uniform(0.5, 1.2))
+    keep = choose_drafts(probs, plain, spec_base, per_draft, cal, prob_map=calib)
+    cut = break_even_prob(rows, plain, spec_base, per_draft, float(cal.max()), calib)
+    for q, k in zip(probs, keep):
+        assert np.all(q[:k] >= cut)
+    cut_probs = [q[q >= cut] for q in probs]
+    np.testing.assert_array_equal(choose_drafts(cut_probs, plain, spec_base, per_draft, cal, prob_map=calib), keep)
+    # the long tail (one row) affords less likely drafts than a full batch (64 rows, a step 8x dearer)
+    assert break_even_prob(1, plain, plain, per_draft) < break_even_prob(64, plain * 8, plain * 8, per_draft)
+
+
+def test_break_even_cutoff_bad_input_is_named():
+    from scheduler.step_policy import break_even_prob
+
+    with pytest.raises(ValueError, match="rows must be >= 1, got 0"):
+        break_even_prob(0, 0.1, 0.1, 0.01)
+    with pytest.raises(ValueError, match="per_draft_s must be >= 0"):
+        break_even_prob(4, 0.1, 0.1, -0.01)
+    assert break_even_prob(4, 0.1, 0.1, 10.0) == 1.0  # a draft token dearer than a step never pays

@@ -65,7 +65,7 @@ from scheduler.budgets import names as budget_names
 from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
 from scheduler.regime_cost import TwoRegimeCost
-from scheduler.step_policy import choose_drafts, drafting_can_pay
+from scheduler.step_policy import break_even_prob, choose_drafts, drafting_can_pay
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ _INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 DRAFTER_KEYS = frozenset(_DRAFTER_KEYS)
 BUDGET_KEYS = frozenset(_BUDGET_KEYS)
 BUDGETS = budget_names("proposer")  # the budgets that run here (scheduler.budgets)
+MIN_DRAFT_PROB = 0.02  # the lowest path-probability cutoff the cost budget gives the drafter
 
 
 @dataclasses.dataclass
@@ -327,7 +328,8 @@ class DASProposer:
             self.stats.skipped_steps += 1
             self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
-        drafts = self._speculate(reqs, budgets, batch.req_ids)
+        floor = self._break_even_prob(len(budgets), prices, cal) if prices is not None and not self._exploring else None
+        drafts = self._speculate(reqs, budgets, batch.req_ids, floor)
         keep = self._step_budget(drafts, prices, cal)
         out: list[list[int]] = []
         offered: list[tuple[_Req, np.ndarray]] = []  # rows whose draft goes out, and its kept probabilities
@@ -357,13 +359,14 @@ class DASProposer:
             self._release_finished(requests)
         return out
 
-    def _speculate(self, reqs: list, budgets: np.ndarray, req_ids: list) -> list[Draft | None]:
-        """Every drafting row's draft from one batched drafter call (None for rows that do not draft)."""
+    def _speculate(self, reqs: list, budgets: np.ndarray, req_ids: list, min_prob: float | None = None) -> list[Draft | None]:
+        """Every drafting row's draft from one batched drafter call (None for rows that do not
+        draft); ``min_prob``: the call's path-probability cutoff (None: the drafter's own)."""
         rows = [row for row in range(len(reqs)) if reqs[row] is not None and budgets[row] > 0]
         drafts: list[Draft | None] = [None] * len(reqs)
         if not rows:
             return drafts
-        found = self.drafter.speculate_batch([req_ids[row] for row in rows], budgets[rows])
+        found = self.drafter.speculate_batch([req_ids[row] for row in rows], budgets[rows], min_prob)
         for i, row in enumerate(rows):
             n = int(found.lengths[i])
             if n:
@@ -485,6 +488,16 @@ class DASProposer:
             return self.regimes.n_plain >= self.regimes.min_plain or self.stats.steps % 2 == 1
         best = min(1.0, float(cal.max()) * float(self.acceptance.curve()[1][-1]))  # the likeliest a draft token can be
         return drafting_can_pay(rows, int(budgets.sum()), *prices, best)
+
+    def _break_even_prob(self, rows: int, prices: tuple[float, float, float], cal: np.ndarray) -> float:
+        """The drafter's path-probability cutoff for this step (``cost`` budget): the raw
+        probability below which no draft token can be among those the step keeps
+        (:func:`scheduler.step_policy.break_even_prob`), at least :data:`MIN_DRAFT_PROB`. Few rows
+        (the long tail) give a low cutoff: drafts run past ``min_token_prob``, as verification is
+        nearly free there; a full batch gives a high one: the drafter stops early and costs less,
+        and the drafts kept are the same."""
+        top = float(cal.max()) if cal.size else 1.0
+        return max(MIN_DRAFT_PROB, break_even_prob(rows, *prices, top, self.acceptance))
 
     def _prices(self, rows: int) -> tuple[float, float, float] | None:
         """``(plain step s, speculative step s before drafts, s per draft token)`` for ``rows`` rows; None in warm-up.
