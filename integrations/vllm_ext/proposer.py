@@ -32,6 +32,11 @@ of :mod:`scheduler.budgets` that run in the proposer):
   verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
   the drafter's probabilities calibrated online, per probability bin, against the tokens actually
   accepted (:class:`scheduler.calibration.AcceptanceCalibration`; ``snapshot()["reliability"]``).
+  The drafter stops each draft at the step's break-even probability
+  (:func:`scheduler.step_policy.break_even_prob`) where that is above ``min_token_prob`` (a full
+  batch: it stops early, and the drafts kept are those a full-length draft would give) and, in the
+  long tail (the plain step's fixed cost at least what its rows cost), also where it is below (at
+  least :data:`MIN_DRAFT_PROB`): verification is nearly free there, so drafts run longer.
 - ``"class"``: DAS's length classes (Long 16, Medium 4, Short 0 draft tokens, capped at K) from
   :class:`scheduler.predictor.LengthPredictor` (per-problem history + length so far).
 - ``"eq7"``: DAS Eq. 7 budgets from the predicted remaining length, per-request acceptance
@@ -490,14 +495,24 @@ class DASProposer:
         return drafting_can_pay(rows, int(budgets.sum()), *prices, best)
 
     def _break_even_prob(self, rows: int, prices: tuple[float, float, float], cal: np.ndarray) -> float:
-        """The drafter's path-probability cutoff for this step (``cost`` budget): the raw
-        probability below which no draft token can be among those the step keeps
-        (:func:`scheduler.step_policy.break_even_prob`), at least :data:`MIN_DRAFT_PROB`. Few rows
-        (the long tail) give a low cutoff: drafts run past ``min_token_prob``, as verification is
-        nearly free there; a full batch gives a high one: the drafter stops early and costs less,
-        and the drafts kept are the same."""
+        """The drafter's path-probability cutoff for this step (``cost`` budget).
+
+        :func:`scheduler.step_policy.break_even_prob` is the raw probability below which no draft
+        token can be among those the step keeps. Above ``min_token_prob`` it is the cutoff: the
+        drafter stops earlier and the drafts kept are the same (a full batch). Below, drafts would
+        run past ``min_token_prob``, which only the long tail affords: there it is the cutoff (at
+        least :data:`MIN_DRAFT_PROB`) when the plain step's fixed cost is at least what its rows
+        cost (``plain_s <= 2 c_base``: verification nearly free); elsewhere ``min_token_prob``
+        stays, so that a draft-token price fitted too low mid-batch cannot turn every row's draft
+        into 16 unlikely tokens.
+        """
         top = float(cal.max()) if cal.size else 1.0
-        return max(MIN_DRAFT_PROB, break_even_prob(rows, *prices, top, self.acceptance))
+        cut = break_even_prob(rows, *prices, top, self.acceptance)
+        floor = self.drafter.min_token_prob
+        if cut >= floor:
+            return cut
+        c_base = self._given_costs[0] if self._given_costs is not None else self.regimes.coefficients()["c_base"]
+        return max(MIN_DRAFT_PROB, cut) if prices[0] <= 2.0 * c_base else floor
 
     def _prices(self, rows: int) -> tuple[float, float, float] | None:
         """``(plain step s, speculative step s before drafts, s per draft token)`` for ``rows`` rows; None in warm-up.
