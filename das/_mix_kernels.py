@@ -44,7 +44,6 @@ from numba import njit
 from das._trie_kernels import (
     C_BEST,
     C_DEPTH,
-    C_NCHILD,
     C_TOKEN,
     M_HASH_SHIFT,
     R_PROBLEM_SLOT,
@@ -260,7 +259,8 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                     else:
                         t = nodes[b, C_TOKEN]
                         top = weights[b, 0]
-                    only[ntop] = nodes[u, C_NCHILD] == 1
+                    # (not C_NCHILD == 1: in engine runs that skipped lookups that did find children)
+                    only[ntop] = False
                 tops[ntop] = t
                 topc[ntop] = top
                 totr[ntop] = tot

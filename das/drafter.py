@@ -730,9 +730,9 @@ class DASDrafter:
             budgets: 1-D integer array of ``len(req_ids)``, draft tokens per row, each ``>= 0``
                 (0: no draft for that row).
             min_prob: float in ``[0, 1]``, this call's ``min_token_prob`` (drafts stop before
-                their path probability falls below it); None: the drafter's. A caller that
-                prices verification (the vLLM proposer's ``cost`` budget) passes the probability
-                below which no draft token can pay for itself in this step.
+                their path probability falls below it); None: the drafter's. With the ``mix``
+                chooser a higher cutoff also means fewer outcomes to learn from (the token after
+                the verified prefix is learned from only if it was drafted).
 
         Returns:
             :class:`DraftBatch` ``(tokens int32[rows, K], probs float32[rows, K], lengths

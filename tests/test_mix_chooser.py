@@ -111,7 +111,7 @@ def test_initial_weights_average_the_scopes_and_the_schema_names_the_chooser():
 @pytest.mark.parametrize("chooser", ["mix", "walk"])
 def test_a_calls_min_prob_moves_where_drafts_stop(chooser):
     """``speculate_batch(..., min_prob=p)`` stops drafts before their path probability falls
-    below ``p`` (the proposer's per-step break-even cutoff): a lower cutoff drafts at least as far
+    below ``p`` instead of ``min_token_prob``: a lower cutoff drafts at least as far
     along the same path, a higher one stops earlier; out of [0, 1] is refused by name."""
     d = DASDrafter(chooser=chooser, global_rollouts=0)
     for i in range(6):  # a history that branches at every other token: path probabilities fall along the draft

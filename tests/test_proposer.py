@@ -313,23 +313,3 @@ def test_verification_outcomes_fill_the_reliability_bins():
     assert prop.acceptance.accepted.sum() == pytest.approx(2.0)
     table = prop.snapshot()["reliability"]
     assert sum(r["trials"] for r in table) == pytest.approx(4.0)
-
-
-def test_cost_budget_cutoff_goes_below_min_token_prob_only_in_the_long_tail():
-    """The drafter's cutoff is the step's break-even probability where that is above
-    ``min_token_prob`` (a full batch: shorter drafts, the same ones kept); below it only when the
-    plain step's fixed cost is at least what its rows cost (the long tail), never below 0.02."""
-    from integrations.vllm_ext.proposer import MIN_DRAFT_PROB
-    from scheduler.step_policy import break_even_prob
-
-    prop = DASProposer(make_config({"budget": "cost", "c_base": 0.01, "c_tok": 0.001}), runner=Engine().runner)
-    cal = np.ones(40)
-    mtp = prop.drafter.min_token_prob
-    full = (0.05, 0.05, 0.001)  # 40 rows, a draft token 2% of the step: break-even 0.8
-    assert prop._break_even_prob(40, full, cal) == break_even_prob(40, *full, 1.0, prop.acceptance) > mtp
-    cheap = (0.05, 0.05, 0.0001)  # break-even below min_token_prob, but the rows cost 4x the fixed part
-    assert break_even_prob(40, *cheap, 1.0, prop.acceptance) < mtp
-    assert prop._break_even_prob(40, cheap, cal) == mtp
-    prop._given_costs = (0.03, 0.0005)  # now the fixed part is over half the step: the long tail
-    assert MIN_DRAFT_PROB <= prop._break_even_prob(40, cheap, cal) < mtp
-    assert prop._break_even_prob(1, (0.03, 0.03, 1e-6), cal[:1]) == MIN_DRAFT_PROB

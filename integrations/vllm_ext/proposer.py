@@ -32,11 +32,6 @@ of :mod:`scheduler.budgets` that run in the proposer):
   verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
   the drafter's probabilities calibrated online, per probability bin, against the tokens actually
   accepted (:class:`scheduler.calibration.AcceptanceCalibration`; ``snapshot()["reliability"]``).
-  The drafter stops each draft at the step's break-even probability
-  (:func:`scheduler.step_policy.break_even_prob`) where that is above ``min_token_prob`` (a full
-  batch: it stops early, and the drafts kept are those a full-length draft would give) and, in the
-  long tail (the plain step's fixed cost at least what its rows cost), also where it is below (at
-  least :data:`MIN_DRAFT_PROB`): verification is nearly free there, so drafts run longer.
 - ``"class"``: DAS's length classes (Long 16, Medium 4, Short 0 draft tokens, capped at K) from
   :class:`scheduler.predictor.LengthPredictor` (per-problem history + length so far).
 - ``"eq7"``: DAS Eq. 7 budgets from the predicted remaining length, per-request acceptance
@@ -70,7 +65,7 @@ from scheduler.budgets import names as budget_names
 from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
 from scheduler.regime_cost import TwoRegimeCost
-from scheduler.step_policy import break_even_prob, choose_drafts, drafting_can_pay
+from scheduler.step_policy import choose_drafts, drafting_can_pay
 
 logger = logging.getLogger(__name__)
 
@@ -83,7 +78,6 @@ _INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 DRAFTER_KEYS = frozenset(_DRAFTER_KEYS)
 BUDGET_KEYS = frozenset(_BUDGET_KEYS)
 BUDGETS = budget_names("proposer")  # the budgets that run here (scheduler.budgets)
-MIN_DRAFT_PROB = 0.02  # the lowest path-probability cutoff the cost budget gives the drafter
 
 
 @dataclasses.dataclass
@@ -333,8 +327,7 @@ class DASProposer:
             self.stats.skipped_steps += 1
             self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
-        floor = self._break_even_prob(len(budgets), prices, cal) if prices is not None and not self._exploring else None
-        drafts = self._speculate(reqs, budgets, batch.req_ids, floor)
+        drafts = self._speculate(reqs, budgets, batch.req_ids)
         keep = self._step_budget(drafts, prices, cal)
         out: list[list[int]] = []
         offered: list[tuple[_Req, np.ndarray]] = []  # rows whose draft goes out, and its kept probabilities
@@ -364,14 +357,13 @@ class DASProposer:
             self._release_finished(requests)
         return out
 
-    def _speculate(self, reqs: list, budgets: np.ndarray, req_ids: list, min_prob: float | None = None) -> list[Draft | None]:
-        """Every drafting row's draft from one batched drafter call (None for rows that do not
-        draft); ``min_prob``: the call's path-probability cutoff (None: the drafter's own)."""
+    def _speculate(self, reqs: list, budgets: np.ndarray, req_ids: list) -> list[Draft | None]:
+        """Every drafting row's draft from one batched drafter call (None for rows that do not draft)."""
         rows = [row for row in range(len(reqs)) if reqs[row] is not None and budgets[row] > 0]
         drafts: list[Draft | None] = [None] * len(reqs)
         if not rows:
             return drafts
-        found = self.drafter.speculate_batch([req_ids[row] for row in rows], budgets[rows], min_prob)
+        found = self.drafter.speculate_batch([req_ids[row] for row in rows], budgets[rows])
         for i, row in enumerate(rows):
             n = int(found.lengths[i])
             if n:
@@ -493,26 +485,6 @@ class DASProposer:
             return self.regimes.n_plain >= self.regimes.min_plain or self.stats.steps % 2 == 1
         best = min(1.0, float(cal.max()) * float(self.acceptance.curve()[1][-1]))  # the likeliest a draft token can be
         return drafting_can_pay(rows, int(budgets.sum()), *prices, best)
-
-    def _break_even_prob(self, rows: int, prices: tuple[float, float, float], cal: np.ndarray) -> float:
-        """The drafter's path-probability cutoff for this step (``cost`` budget).
-
-        :func:`scheduler.step_policy.break_even_prob` is the raw probability below which no draft
-        token can be among those the step keeps. Above ``min_token_prob`` it is the cutoff: the
-        drafter stops earlier and the drafts kept are the same (a full batch). Below, drafts would
-        run past ``min_token_prob``, which only the long tail affords: there it is the cutoff (at
-        least :data:`MIN_DRAFT_PROB`) when the plain step's fixed cost is at least what its rows
-        cost (``plain_s <= 2 c_base``: verification nearly free); elsewhere ``min_token_prob``
-        stays, so that a draft-token price fitted too low mid-batch cannot turn every row's draft
-        into 16 unlikely tokens.
-        """
-        top = float(cal.max()) if cal.size else 1.0
-        cut = break_even_prob(rows, *prices, top, self.acceptance)
-        floor = self.drafter.min_token_prob
-        if cut >= floor:
-            return cut
-        c_base = self._given_costs[0] if self._given_costs is not None else self.regimes.coefficients()["c_base"]
-        return max(MIN_DRAFT_PROB, cut) if prices[0] <= 2.0 * c_base else floor
 
     def _prices(self, rows: int) -> tuple[float, float, float] | None:
         """``(plain step s, speculative step s before drafts, s per draft token)`` for ``rows`` rows; None in warm-up.
