@@ -167,6 +167,19 @@ def _scope_mem(s, m0, m1, m2):
     return m2
 
 
+@njit(cache=True, inline="always")
+def _add_input(sums, cnts, f, s, st, first):
+    """Add a locus's stretched probability ``st`` to its scope x bucket input ``f`` and, for the
+    scope's first (longest) locus, to the scope's longest-locus input; returns False (the next
+    locus of the scope is not the first)."""
+    sums[f] += st
+    cnts[f] += 1.0
+    if first:
+        sums[1 + NT * NB + s] = st
+        cnts[1 + NT * NB + s] = 1.0
+    return False
+
+
 @njit(cache=True)
 def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts):
     """An upper bound of the mixer's logit for every candidate but the first (``cand[1:nc]``),
@@ -194,13 +207,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
             else:
                 c = max(totr[j] - topc[j], 0.0) * (1.0 + 1e-9)  # the margin covers the rounding of the totals
             st = _STRETCH[min(int(c / totp[j] * _LEVELS), _LEVELS - 1)] if c > 0.0 else _ST0
-            f = feat[j]
-            sums[f] += st
-            cnts[f] += 1.0
-            if first:
-                sums[1 + NT * NB + s] = st
-                cnts[1 + NT * NB + s] = 1.0
-                first = False
+            first = _add_input(sums, cnts, feat[j], s, st, first)
         j0 += nl[s]
     most = 0.0
     for ci in range(1, nc):
@@ -259,7 +266,8 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                     else:
                         t = nodes[b, C_TOKEN]
                         top = weights[b, 0]
-                    # (not C_NCHILD == 1: in engine runs that skipped lookups that did find children)
+                    # a node: look the token up (C_NCHILD == 1 is not trusted for this: in engine runs
+                    # skipping those lookups changed the drafts; benchmarks/README.md, "Step cost")
                     only[ntop] = False
                 tops[ntop] = t
                 topc[ntop] = top
@@ -311,13 +319,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                         c = _find_child(nodes, hash_table, shift, lu[s, i], t)
                         cnt = weights[c, 0] if c >= 0 else 0.0
                         st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)] if cnt > 0.0 else _ST0
-                    f = feat[j]
-                    sums[f] += st
-                    cnts[f] += 1.0
-                    if first:
-                        sums[1 + NT * NB + s] = st
-                        cnts[1 + NT * NB + s] = 1.0
-                        first = False
+                    first = _add_input(sums, cnts, feat[j], s, st, first)
             sums[AGREE] = 2.0 * agree / ntop - 1.0
             cnts[AGREE] = 1.0
             sums[0] = 1.0
