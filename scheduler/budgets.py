@@ -41,6 +41,8 @@ BUDGETS: dict[str, Budget] = {b.name: b for b in (
        "proposer", "scheduler", "simulator"),
     _b("cost", "keep the draft tokens whose calibrated path probability pays for their verification under the step-cost model "
                "fitted online (scheduler.step_policy, scheduler.regime_cost)", "proposer"),
+    _b("makespan", "'cost', with each row's accepted token valued at what it saves a draining batch: c_row plus c_base times "
+                   "the odds that its request finishes last, from the length predictor (scheduler.makespan)", "proposer"),
     _b("class", "DAS length classes from the length predictor: Long 16, Medium 4, Short 0 draft tokens, capped at K",
        "proposer", "scheduler"),
     _b("class-eq9", "DAS's deployed class policy as published: class budgets from Eq. 7 / Eq. 9 at each class's mean, "

@@ -49,7 +49,8 @@ def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, cal
 
 
 def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: float, per_draft_s: float,
-                  calibration: float | np.ndarray = 1.0, prob_map: Callable[[np.ndarray], np.ndarray] | None = None) -> np.ndarray:
+                  calibration: float | np.ndarray = 1.0, prob_map: Callable[[np.ndarray], np.ndarray] | None = None,
+                  values: np.ndarray | None = None) -> np.ndarray:
     """Throughput-optimal draft tokens per row when plain and speculative steps are priced apart.
 
     A step over ``B`` rows costs ``plain_s`` seconds without drafts and
@@ -68,6 +69,12 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
         prob_map: optional non-decreasing map of raw to calibrated probabilities (float64 array
             in, same shape out; e.g. :class:`scheduler.calibration.AcceptanceCalibration`),
             applied to all rows' probabilities before ``calibration``.
+        values: optional float ``[rows]``, seconds one accepted draft token of the row saves
+            (:func:`scheduler.makespan.token_values`). Given, the step keeps the draft tokens
+            that maximise the expected time saved, ``sum p_k v_k - per_draft_s * m -
+            (spec_base_s - plain_s)``, and drafts only when that is positive (a row's ``p v`` is
+            non-increasing along it, so the best set is again a prefix of every row). None: the
+            throughput rule above, which values every row's token at ``plain_s / B``.
 
     Returns:
         int64 ``[rows]``: leading draft tokens to keep per row.
@@ -92,6 +99,18 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
     if prob_map is not None:
         probs = np.asarray(prob_map(probs), np.float64)
     probs = np.clip(probs * (cal[owner] if cal.ndim else cal), 0.0, 1.0)
+    if values is not None:
+        v = np.asarray(values, np.float64)
+        if v.shape != (rows,) or np.any(~np.isfinite(v)) or np.any(v < 0):
+            raise ValueError(f"values must be {rows} finite seconds >= 0 (one per row), got shape {v.shape}")
+        saving = probs * v[owner]
+        order = np.argsort(-saving, kind="stable")
+        net = np.cumsum(saving[order] - per_draft_s) - max(spec_base_s - plain_s, 0.0)
+        best = int(np.argmax(net))
+        if net[best] <= 0:
+            return keep
+        np.add.at(keep, owner[order[: best + 1]], 1)
+        return keep
     order = np.argsort(-probs, kind="stable")
     gain = rows + np.cumsum(probs[order])  # expected tokens with the top m+1 drafts
     rate = gain / (spec_base_s + per_draft_s * np.arange(1, len(order) + 1))
@@ -102,14 +121,19 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
     return keep
 
 
-def drafting_can_pay(rows: int, max_drafts: int, plain_s: float, spec_base_s: float, per_draft_s: float, best_prob: float) -> bool:
+def drafting_can_pay(rows: int, max_drafts: int, plain_s: float, spec_base_s: float, per_draft_s: float, best_prob: float,
+                     best_value: float | None = None) -> bool:
     """Whether any draft could pay this step, if every draft token had probability ``best_prob``.
 
     The rate ``(B + p m) / (spec_base_s + per_draft_s m)`` is monotone in ``m``, so checking
     ``m = 1`` and ``m = max_drafts`` decides it; a False lets the proposer skip the drafter's
-    lookups for the step altogether.
+    lookups for the step altogether. With ``best_value`` (the largest row value of
+    :func:`choose_drafts`' ``values``, seconds per accepted token) the test is the saving rule's:
+    ``max_drafts * (p v - per_draft_s) > spec_base_s - plain_s``.
     """
     if max_drafts < 1 or best_prob <= 0:
         return False
+    if best_value is not None:
+        return max_drafts * (best_prob * best_value - per_draft_s) > max(spec_base_s - plain_s, 0.0)
     plain_rate = rows / plain_s
     return any((rows + best_prob * m) / (spec_base_s + per_draft_s * m) > plain_rate for m in (1, max_drafts))

@@ -59,7 +59,7 @@ def test_schema_accepts_what_the_drafter_accepts():
     ({"use_request_tree": "yes"}, "['use_request_tree'] must be true or false, got 'yes'"),
     ({"c_base": -1, "c_tok": 0}, "['c_base'] must be null or a finite number > 0, got -1"),
     ({"c_base": 0.01}, "give both c_base and c_tok"),
-    ({"budget": "greedy"}, "['budget']: unknown budget 'greedy'; expected one of ['fixed', 'cost', 'class', 'eq7']"),
+    ({"budget": "greedy"}, "['budget']: unknown budget 'greedy'; expected one of ['fixed', 'cost', 'makespan', 'class', 'eq7']"),
     ({"budget": "unlimited"}, "budget 'unlimited' is now called 'fixed'"),
     ({"budget": "none"}, "budget 'none' runs only in the scheduler and simulator"),
     ({"windw": 3}, "unknown key additional_config['das']['windw']"),
@@ -95,7 +95,7 @@ def test_one_name_per_policy_everywhere():
     from integrations.vllm_ext.proposer import BUDGETS
     from scheduler.speculation import POLICIES
 
-    assert BUDGETS == budgets.names("proposer") == ("fixed", "cost", "class", "eq7")
+    assert BUDGETS == budgets.names("proposer") == ("fixed", "cost", "makespan", "class", "eq7")
     assert POLICIES == budgets.names("scheduler") == ("none", "fixed", "class", "eq7")
     assert SIM == budgets.names("simulator") == ("none", "fixed", "class-eq9", "class-roofline", "eq7")
     assert DEFAULTS.budget in BUDGETS

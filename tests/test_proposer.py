@@ -297,6 +297,33 @@ def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimate
     assert low < prop._payoff_scale <= 1.0
 
 
+def test_a_full_batch_after_small_warm_up_steps_is_measured_not_taken_for_idle_gaps():
+    # An engine warms up on 2 rows (0.03 s steps), then decodes 64 rows (0.15 s plain steps,
+    # more with drafts): those are steps, and the cost fit must see them all. An idle gap (30 s
+    # between generate() calls) is still left out.
+    prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
+    now = 0.0
+
+    def step(seconds, rows, drafted):
+        nonlocal now
+        prop._last_drafted = drafted
+        now += seconds
+        prop._record_step(now, rows + drafted, 100 * rows, True, rows, 0)
+
+    step(0.03, 2, 0)  # starts the clock
+    for _ in range(10):
+        step(0.03, 2, 0)
+    seen = prop.regimes.n_plain + prop.regimes.n_spec
+    for i in range(40):
+        step(0.15 + 0.001 * 40 * (i % 2), 64, 40 * (i % 2))
+    assert prop.regimes.n_plain + prop.regimes.n_spec == seen + 40
+    step(30.0, 64, 0)  # an idle gap
+    assert prop.regimes.n_plain + prop.regimes.n_spec == seen + 40
+    for _ in range(5):  # the tail: one row again, 0.03 s steps
+        step(0.03, 1, 0)
+    assert prop.regimes.n_plain + prop.regimes.n_spec == seen + 45
+
+
 def test_verification_outcomes_fill_the_reliability_bins():
     # b drafts a's continuation (4 tokens); the engine then accepts 2 of them (3 new tokens with
     # the bonus token): the first two draft tokens count as accepted, the next two as rejected.

@@ -32,6 +32,10 @@ of :mod:`scheduler.budgets` that run in the proposer):
   verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
   the drafter's probabilities calibrated online, per probability bin, against the tokens actually
   accepted (:class:`scheduler.calibration.AcceptanceCalibration`; ``snapshot()["reliability"]``).
+- ``"makespan"``: ``"cost"``, with each row's accepted draft token valued at the time it saves a
+  batch that only drains (no request waiting): ``c_row + c_base * q_i``, ``q_i`` the odds that the
+  request finishes last given the length predictor's expected remaining length
+  (:mod:`scheduler.makespan`), instead of the throughput rule's ``c_row + c_base / B`` for all.
 - ``"class"``: DAS's length classes (Long 16, Medium 4, Short 0 draft tokens, capped at K) from
   :class:`scheduler.predictor.LengthPredictor` (per-problem history + length so far).
 - ``"eq7"``: DAS Eq. 7 budgets from the predicted remaining length, per-request acceptance
@@ -64,6 +68,7 @@ from integrations.vllm_ext import fixes as vllm_fixes
 from scheduler.budgets import names as budget_names
 from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
+from scheduler.makespan import last_finish_probability, token_values
 from scheduler.regime_cost import TwoRegimeCost
 from scheduler.step_policy import choose_drafts, drafting_can_pay
 
@@ -78,6 +83,7 @@ _INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 DRAFTER_KEYS = frozenset(_DRAFTER_KEYS)
 BUDGET_KEYS = frozenset(_BUDGET_KEYS)
 BUDGETS = budget_names("proposer")  # the budgets that run here (scheduler.budgets)
+PRICED = ("cost", "makespan")  # budgets that price each step's drafts with the two-regime cost model
 
 
 @dataclasses.dataclass
@@ -199,6 +205,7 @@ class DASProposer:
         self._since_plain = 0
         self._last_drafted = 0  # draft tokens verified in the step now running
         self.scheduler = None  # SpeculationScheduler, built on the first step (needs max_tokens)
+        self.predictor = None  # LengthPredictor of the class, eq7 and makespan budgets, built on first use
         self._finished_lengths: dict[str, list[int]] = {}  # problem id -> output lengths, since last iteration
         self.runner = runner if runner is not None else _find_model_runner()
         if self.runner is None:
@@ -209,7 +216,13 @@ class DASProposer:
         self.stats = ProposerStats()
         self._reqs: dict[str, _Req] = {}  # live request id -> its bookkeeping
         self._last_start: float | None = None
-        self._interval_ema: float | None = None  # seconds per clean step, to drop idle gaps from the fit
+        # Seconds per clean step and per forward token (EMAs), to drop idle gaps from the fit. A step is
+        # a gap only if it is long against both: against the step EMA alone, the first full batch
+        # after small warm-up steps (or a tail) looked like gaps for ever, since dropped steps never
+        # moved the EMA, and the fit saw only the cheapest steps (a full batch's first iteration
+        # then drafted 3x as much as it should, at 0.72x no speculation).
+        self._interval_ema: float | None = None
+        self._token_ema: float | None = None
         self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
         # Per-probability-bin acceptance factors from verification outcomes: the drafter's high
         # path probabilities are nearly right, its low ones 2x too high (replay: 0.94 -> 0.83,
@@ -320,15 +333,17 @@ class DASProposer:
             self.acceptance.observe(np.concatenate(verified_probs), position < np.repeat(np.array(verified_accepted), lens))
         self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted)
         budgets = np.minimum(budgets, self._request_caps(reqs))
-        prices = cal = None
-        if self.budget == "cost":  # priced once per step, used by the gate and by the selection
+        prices = cal = values = None
+        if self.budget in PRICED:  # priced once per step, used by the gate and by the selection
             prices, cal = self._prices(rows), self._row_calibration(reqs)
-        if self.budget == "cost" and not self._cost_allows_drafts(budgets, prices, cal):
+            if self.budget == "makespan" and prices is not None:
+                values = self._values(reqs)
+        if self.budget in PRICED and not self._cost_allows_drafts(budgets, prices, cal, values):
             self.stats.skipped_steps += 1
             self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
         drafts = self._speculate(reqs, budgets, batch.req_ids)
-        keep = self._step_budget(drafts, prices, cal)
+        keep = self._step_budget(drafts, prices, cal, values)
         out: list[list[int]] = []
         offered: list[tuple[_Req, np.ndarray]] = []  # rows whose draft goes out, and its kept probabilities
         for row, draft in enumerate(drafts):
@@ -409,12 +424,9 @@ class DASProposer:
         if self.budget not in ("class", "eq7") or not live:
             return caps
         if self.scheduler is None:
-            from scheduler.predictor import LengthPredictor
             from scheduler.speculation import SpeculationScheduler
 
-            max_tokens = max(reqs[row].max_tokens for row in live)
-            self.scheduler = SpeculationScheduler(self.budget, max_draft=self.k, predictor=LengthPredictor(max_tokens), cost=self.cost)
-            self._flush_lengths()
+            self.scheduler = SpeculationScheduler(self.budget, max_draft=self.k, predictor=self._length_predictor([reqs[row] for row in live]), cost=self.cost)
         if self.budget == "eq7" and not self.cost.ready:
             return caps  # warm-up: draft freely while the cost model learns
         rs = [reqs[row] for row in live]
@@ -436,13 +448,15 @@ class DASProposer:
         if last is None or not clean:
             return
         interval = now - last
-        if self._interval_ema is not None and interval > 4.0 * self._interval_ema:
+        if self._interval_ema is not None and interval > 4.0 * max(self._interval_ema, self._token_ema * step_tokens):
             return  # an idle gap between generate() calls, not a step
         self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
+        per_token = interval / max(step_tokens, 1)
+        self._token_ema = per_token if self._token_ema is None else 0.9 * self._token_ema + 0.1 * per_token
         self.cost.observe(step_tokens, interval, context_tokens)
         self.regimes.observe(rows, drafted, interval)
         self._since_plain = self._since_plain + 1 if drafted else 0
-        if drafted and self.budget == "cost" and self._given_costs is None and self.regimes.ready:
+        if drafted and self.budget in PRICED and self._given_costs is None and self.regimes.ready:
             # tokens per second of this drafting step against the fitted plain step's
             payoff = (rows + accepted) / interval * max(self.regimes.plain(rows), 1e-9) / rows
             self._payoff_scale = float(np.clip(self._payoff_scale * payoff**0.1, 0.25, 1.0))
@@ -464,7 +478,7 @@ class DASProposer:
         cal = np.array([glob if r is None else (r.accepted + 8.0 * glob) / (r.predicted + 8.0) for r in reqs])
         return cal * self._payoff_scale
 
-    def _cost_allows_drafts(self, budgets: np.ndarray, prices: tuple | None, cal: np.ndarray) -> bool:
+    def _cost_allows_drafts(self, budgets: np.ndarray, prices: tuple | None, cal: np.ndarray, values: np.ndarray | None = None) -> bool:
         """``cost`` budget, before any lookup: can a draft pay for its verification this step?
 
         Warm-up (the two-regime model not fitted yet) alternates plain and drafting steps, so
@@ -484,7 +498,7 @@ class DASProposer:
             # Warm-up: alternate plain and drafting steps until both regimes are measured.
             return self.regimes.n_plain >= self.regimes.min_plain or self.stats.steps % 2 == 1
         best = min(1.0, float(cal.max()) * float(self.acceptance.curve()[1][-1]))  # the likeliest a draft token can be
-        return drafting_can_pay(rows, int(budgets.sum()), *prices, best)
+        return drafting_can_pay(rows, int(budgets.sum()), *prices, best, None if values is None else float(values.max()))
 
     def _prices(self, rows: int) -> tuple[float, float, float] | None:
         """``(plain step s, speculative step s before drafts, s per draft token)`` for ``rows`` rows; None in warm-up.
@@ -502,9 +516,9 @@ class DASProposer:
         plain = max(self.regimes.plain(rows), 1e-9)
         return plain, max(c["c_base"] + c["c_spec"] + c["c_row"] * rows, 1e-9), c["c_draft"]
 
-    def _step_budget(self, drafts: list, prices: tuple | None, cal: np.ndarray | None) -> np.ndarray | None:
-        """Per-row number of draft tokens to keep (``cost`` budget), or None to keep every draft."""
-        if self.budget != "cost":
+    def _step_budget(self, drafts: list, prices: tuple | None, cal: np.ndarray | None, values: np.ndarray | None = None) -> np.ndarray | None:
+        """Per-row number of draft tokens to keep (``cost`` and ``makespan`` budgets), or None to keep every draft."""
+        if self.budget not in PRICED:
             return None  # other budgets were applied per request
         empty = np.empty(0, np.float32)
         probs = [empty if d is None else d.probs for d in drafts]
@@ -517,7 +531,40 @@ class DASProposer:
             self._exploring = False
             return _likeliest_rows(probs, per_row=1, total=max(1, len(probs) // 8))
         self.stats.fitted_steps += 1
-        return choose_drafts(probs, *prices, cal, prob_map=self.acceptance)
+        return choose_drafts(probs, *prices, cal, prob_map=self.acceptance, values=values)
+
+    def _values(self, reqs: list) -> np.ndarray | None:
+        """``makespan`` budget: seconds one accepted draft token saves, per row (:mod:`scheduler.makespan`).
+
+        ``c_row + c_base * q_i``, with ``q_i`` the odds that the row's request finishes last,
+        from the length predictor's expected remaining length (per-problem history of earlier
+        iterations, length so far). Rows that do not draft get 0.
+        """
+        live = [row for row, r in enumerate(reqs) if r is not None]
+        if not live:
+            return None
+        rs = [reqs[row] for row in live]
+        pred = self._length_predictor(rs)
+        generated = np.array([r.seen - r.prompt_len for r in rs], np.float64)
+        left = np.maximum(np.array([r.max_tokens for r in rs], np.float64) - generated, 1.0)
+        expected = pred.predict(pred.index([r.problem_id for r in rs]), np.minimum(generated, pred.max_tokens)).expected_remaining
+        q = np.zeros(len(reqs))
+        q[live] = last_finish_probability(np.clip(expected, 1.0, left), left)
+        if self._given_costs is not None:
+            c_base, c_row = self._given_costs
+        else:
+            c = self.regimes.coefficients()
+            c_base, c_row = c["c_base"], c["c_row"]
+        return token_values(q, c_base, c_row)
+
+    def _length_predictor(self, rs: list) -> Any:
+        """The length history of the rollouts this proposer saw finish (built on first use, fed at each ``begin_iteration``)."""
+        if self.predictor is None:
+            from scheduler.predictor import LengthPredictor
+
+            self.predictor = LengthPredictor(max(r.max_tokens for r in rs))
+            self._flush_lengths()
+        return self.predictor
 
     def _release_finished(self, requests: dict) -> None:
         # A finished request leaves the runner's request table (a preempted one stays); its
@@ -531,9 +578,9 @@ class DASProposer:
             self.drafter.stop_request(req_id)
 
     def _flush_lengths(self) -> None:
-        if self.scheduler is not None:
+        if self.predictor is not None:
             for pid, lengths in self._finished_lengths.items():
-                self.scheduler.predictor.observe(pid, self.drafter.policy_version, np.minimum(lengths, self.scheduler.predictor.max_tokens))
+                self.predictor.observe(pid, self.drafter.policy_version, np.minimum(lengths, self.predictor.max_tokens))
             self._finished_lengths.clear()
 
     # ---- control verbs, reached from the driver through LLM.collective_rpc (see integrations.vllm_ext.control)
