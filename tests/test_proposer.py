@@ -268,18 +268,29 @@ def test_cost_budget_warm_up_step_drafts_a_quarter_of_a_large_batch():
     assert max(drafted) <= rows // 4
 
 
+def _hand_clock(prop):
+    """``step(seconds, rows, drafted, accepted=0)``: feed the proposer's cost models one clean
+    decode step of ``rows`` rows that verified ``drafted`` draft tokens, ``seconds`` after the last."""
+    now = 0.0
+
+    def step(seconds, rows, drafted, accepted=0):
+        nonlocal now
+        prop._last_drafted = drafted
+        now += seconds
+        prop._record_step(now, rows + drafted, 100 * rows, True, rows, accepted)
+
+    return step
+
+
 def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimates():
     # The cost fit and the calibration can both be too optimistic; the realized tokens per second
     # of drafting steps against the fitted plain step is the check. Steps fed by hand: 8 rows,
     # plain 0.1 s; drafting steps of 8 draft tokens.
     prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
-    now = 0.0
+    clock = _hand_clock(prop)
 
     def step(seconds, drafted, accepted):
-        nonlocal now
-        prop._last_drafted = drafted
-        now += seconds
-        prop._record_step(now, 8 + drafted, 800, True, 8, accepted)
+        clock(seconds, 8, drafted, accepted)
 
     step(0.1, 0, 0)  # the first step only starts the clock
     for _ in range(8):
@@ -302,14 +313,7 @@ def test_a_full_batch_after_small_warm_up_steps_is_measured_not_taken_for_idle_g
     # more with drafts): those are steps, and the cost fit must see them all. An idle gap (30 s
     # between generate() calls) is still left out.
     prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
-    now = 0.0
-
-    def step(seconds, rows, drafted):
-        nonlocal now
-        prop._last_drafted = drafted
-        now += seconds
-        prop._record_step(now, rows + drafted, 100 * rows, True, rows, 0)
-
+    step = _hand_clock(prop)
     step(0.03, 2, 0)  # starts the clock
     for _ in range(10):
         step(0.03, 2, 0)
