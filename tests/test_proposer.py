@@ -194,6 +194,16 @@ def test_cost_budget_drafts_when_steps_are_fixed_cost_and_not_when_tokens_domina
     assert all(len(d) == K for d in fixed)
 
 
+def test_makespan_budget_prices_like_cost_when_rows_cannot_be_told_apart():
+    # Three equal rows, no length history: each finishes last with odds 1/3, the value of an
+    # accepted token is c_row + c_base / 3, the cost budget's; so the same drafts.
+    cheap, prop = _repetitive_batch(make_config({"budget": "makespan", "c_base": 0.05, "c_tok": 1e-5}))
+    assert all(len(d) == K for d in cheap)
+    assert prop.predictor is not None and prop.stats.failures == 0
+    costly, _ = _repetitive_batch(make_config({"budget": "makespan", "c_base": 1e-4, "c_tok": 0.01}))
+    assert all(d == [] for d in costly)
+
+
 def test_length_policies_learn_lengths_from_finished_rollouts():
     eng = Engine()
     prop = DASProposer(make_config({"budget": "class"}), runner=eng.runner)
