@@ -10,11 +10,11 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 
 import numpy as np
 import pytest
 
+from benchmarks.lossless import chi_square
 from integrations.vllm_ext import control
 from integrations.vllm_ext.engine import make_llm, spec_counters
 
@@ -53,30 +53,11 @@ def test_greedy_outputs_identical_with_das(tiny_model):
     assert counters["accepted_tokens"] > 0.5 * sum(len(s[0]) for s in expected)  # drafts really were verified
 
 
-def chi_square_differs(a, b, positions=6, alpha=1e-4):
-    """Two-sample chi-square test over the first ``positions`` tokens, pooled over positions.
-
-    Returns (differs, statistic, critical value). Bins with fewer than 10 expected counts are
-    merged into one bin per position. The critical value uses the Wilson-Hilferty approximation
-    of the chi-square quantile (no scipy here).
-    """
-    stat, dof = 0.0, 0
-    for p in range(positions):
-        ta = np.bincount([s[p] for s in a], minlength=65536)
-        tb = np.bincount([s[p] for s in b], minlength=65536)
-        na, nb = ta.sum(), tb.sum()
-        total = ta + tb
-        big = total >= 10
-        rows_a = np.append(ta[big], ta[~big].sum())
-        rows_b = np.append(tb[big], tb[~big].sum())
-        keep = (rows_a + rows_b) > 0
-        rows_a, rows_b = rows_a[keep], rows_b[keep]
-        tot = rows_a + rows_b
-        ea, eb = tot * na / (na + nb), tot * nb / (na + nb)
-        stat += float(((rows_a - ea) ** 2 / ea).sum() + ((rows_b - eb) ** 2 / eb).sum())
-        dof += len(tot) - 1
-    z = 3.719  # one-sided normal quantile for alpha = 1e-4
-    crit = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+def chi_square_differs(a, b, positions=6):
+    """Two-sample chi-square test over the first ``positions`` tokens, pooled over positions
+    (:func:`benchmarks.lossless.chi_square`: bins with fewer than 10 counts merged per position,
+    alpha = 1e-4). Returns (differs, statistic, critical value)."""
+    stat, _, crit = chi_square(np.asarray(a, np.int64), np.asarray(b, np.int64), 0, positions)
     return stat > crit, stat, crit
 
 
