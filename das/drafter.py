@@ -127,8 +127,13 @@ class _TreeTable:
 
         self.bufs = List.empty_list(types.int64[::1])
         self.prior = np.zeros(16, np.float64)
-        self.free: list[int] = []
         self._none = np.zeros(1, np.int64)  # what a freed index holds (drops the tree's buffer)
+        # A typed List compiles each method on its first call in a process (~1 s in all, not
+        # cached on disk): call them here, at construction, not in an engine step. Index 0 starts free.
+        self.bufs.append(self._none)
+        self.bufs[0] = self._none
+        len(self.bufs)
+        self.free: list[int] = [0]
 
     def add(self, tree: SuffixTree) -> int:
         """Register ``tree``; returns its index."""

@@ -67,3 +67,48 @@ def test_drafting_can_pay_matches_choose_drafts_at_its_bound():
         chosen = choose_drafts([np.full(m, p)] + [np.empty(0)] * (rows - 1), plain, plain + extra, per)
         # choose_drafts sees the same single-probability drafts spread over one row: it drafts iff any m pays
         assert can == (chosen.sum() > 0)
+
+
+def _exhaustive_nnls(xtx, xty, yty):
+    """Every subset keeping c_base, solved unconstrained; the non-negative one with the least error."""
+    best, best_sse = None, np.inf
+    for mask in range(1, 16, 2):
+        idx = [i for i in range(4) if mask >> i & 1]
+        a = xtx[np.ix_(idx, idx)]
+        if np.linalg.cond(a) > 1e12:
+            continue
+        sol = np.linalg.solve(a, xty[idx])
+        if np.any(sol < 0):
+            continue
+        full = np.zeros(4)
+        full[idx] = sol
+        sse = yty - 2 * full @ xty + full @ xtx @ full
+        if sse < best_sse - 1e-18:
+            best, best_sse = full, sse
+    return best
+
+
+def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
+    # Steps whose true costs are non-negative (shortcut taken) and ones with a negative slope in the
+    # data (a subset must win): the fit is the exhaustive search's either way.
+    from scheduler.regime_cost import _best_subset_fit
+
+    rng = np.random.default_rng(7)
+    shortcuts = 0
+    for trial in range(200):
+        xtx, xty, yty = np.zeros((4, 4)), np.zeros(4), 0.0
+        slope = rng.choice([0.0014, -0.0004])  # a negative per-row slope forces a constrained fit
+        for _ in range(int(rng.integers(8, 60))):
+            rows, drafts = int(rng.integers(1, 64)), int(rng.integers(0, 40)) * int(rng.random() < 0.6)
+            t = max(1e-3, 0.03 + slope * rows + 0.001 * drafts + 0.002 * (drafts > 0) + rng.normal() * 0.002)
+            x = np.array([1.0, rows * 1e-2, drafts * 1e-2, float(drafts > 0)])
+            xtx += np.outer(x, x)
+            xty += x * t
+            yty += t * t
+        xtx += 2.0 * np.diag([0.0, 0.0, 0.0, 1.0])
+        want, got = _exhaustive_nnls(xtx, xty, yty), _best_subset_fit(xtx, xty, yty)
+        assert (want is None) == (got is None)
+        if want is not None:
+            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+        shortcuts += bool(np.all(np.linalg.solve(xtx, xty) >= 0)) if np.linalg.cond(xtx) < 1e12 else 0
+    assert 20 < shortcuts < 180  # both paths were exercised

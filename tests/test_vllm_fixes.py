@@ -42,3 +42,44 @@ def test_engine_scan_survives_llvmlite_objects():
 
     assert dispatcher.vars(ffi.lib) == {}
     assert dispatcher.vars(dispatcher)["__name__"] == dispatcher.__name__
+
+
+def test_a_step_without_drafts_is_sampled_by_the_plain_sampler():
+    # fix 5: speculative metadata with no draft token (max_spec_len 0) takes the plain path;
+    # a step with drafts still goes through the rejection sampler.
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    import integrations.vllm_ext.proposer  # noqa: F401  (installs the fixes)
+
+    assert getattr(GPUModelRunner._sample, "__das_fix__", False)
+    calls = []
+
+    class Runner:
+        class input_batch:  # noqa: N801 - what _sample reads from the batch
+            sampling_metadata = "meta"
+
+            @staticmethod
+            def update_async_output_token_ids():
+                pass
+
+        use_async_scheduling = False
+
+        def sampler(self, logits, sampling_metadata):
+            calls.append(("plain", logits, sampling_metadata))
+            return "plain"
+
+        def _get_spec_decode_draft_probs(self, metadata):
+            return None
+
+        def rejection_sampler(self, metadata, draft_probs, logits, sampling_metadata):
+            calls.append(("rejection", metadata.max_spec_len))
+            return "rejection"
+
+    none = SpecDecodeMetadata.make_dummy([[], []], device="cpu")
+    some = SpecDecodeMetadata.make_dummy([[5, 6], []], device="cpu")
+    runner = Runner()
+    assert GPUModelRunner._sample(runner, "logits", none) == "plain"
+    assert GPUModelRunner._sample(runner, "logits", some) == "rejection"
+    assert GPUModelRunner._sample(runner, "logits", None) == "plain"
+    assert calls == [("plain", "logits", "meta"), ("rejection", 2), ("plain", "logits", "meta")]

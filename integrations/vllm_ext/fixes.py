@@ -33,6 +33,15 @@ scheduler passes the scheduled K to ``SuffixDecodingProposer.propose``, which as
 equals its configured K, so the engine dies at the first step where the schedule lowers K. We
 let it run with its configured K (its cache must still see every sampled token) and cut each
 draft to the scheduled K. Only the ``suffix-bs`` baseline of our benchmarks uses that schedule.
+
+5. A step without drafts takes the plain sampler. With a speculative method configured, vLLM 0.32
+builds speculative metadata for every step and sends it through the rejection sampler even when
+no row drafted (``max_spec_len == 0``): the bonus tokens are then sampled from the same logits by
+the same sampler, plus indexing, dtype casts and logits processors over empty draft tensors (about
+1 ms per 64-row step here, ~1% of a step; cProfile of a full batch with empty drafts). We wrap the
+model runner's ``_sample`` so that such a step calls the sampler directly, as a plain engine does:
+the same call on the same logits, so the same tokens (the sampled token matrix has one column
+either way and is parsed the same). It belongs upstream.
 """
 
 from __future__ import annotations
@@ -98,6 +107,16 @@ def _suffix_propose_with_dynamic_k(original):
     return propose
 
 
+def _plain_sampling_without_drafts(original):
+    def _sample(self, logits, spec_decode_metadata):
+        if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
+            spec_decode_metadata = None  # no row drafted: the plain engine's sampling (fix 5)
+        return original(self, logits, spec_decode_metadata)
+
+    _sample.__das_fix__ = True
+    return _sample
+
+
 def safe_vars(obj: object) -> Mapping:
     """``vars(obj)`` when it is a mapping, else ``{}`` (objects that fake ``__dict__``)."""
     try:
@@ -145,6 +164,12 @@ def apply() -> bool:
         SuffixDecodingProposer = None
     if SuffixDecodingProposer is not None and not getattr(SuffixDecodingProposer.propose, "__das_fix__", False):
         SuffixDecodingProposer.propose = _suffix_propose_with_dynamic_k(SuffixDecodingProposer.propose)
+    try:
+        from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+    except ImportError:  # pragma: no cover - ships with vLLM 0.32
+        GPUModelRunner = None
+    if GPUModelRunner is not None and not getattr(GPUModelRunner._sample, "__das_fix__", False):
+        GPUModelRunner._sample = _plain_sampling_without_drafts(GPUModelRunner._sample)
     try:
         from vllm.triton_utils import dispatcher
     except ImportError:  # a vLLM without the kernel dispatcher has no scan to fix
