@@ -89,7 +89,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, choices=("bfloat16", "float32", "float16"),
                    help="model dtype (default: decided from this CPU, see integrations.vllm_ext.cpu_runtime)")
     p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="problem choice and sampling seed")
+    p.add_argument("--sample-seed", type=int, default=0,
+                   help="other random draws on the same problems: iteration v samples with seed * 100003 + v + 7919 * sample_seed")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.data.trace)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --trace files (default: refuse before the run)")
@@ -157,6 +159,12 @@ def iteration_prompts(num_problems: int, args: argparse.Namespace) -> list[list[
     return [rng.sample(pool, min(args.prompts, len(pool))) for _ in range(args.iterations)]
 
 
+def sampling_seed(args: argparse.Namespace, version: int) -> int:
+    """The torch seed of iteration ``version``'s sampling: ``seed * 100003 + version + 7919 * sample_seed``
+    (``--sample-seed`` draws other tokens for the same problems, which ``--seed`` alone chooses)."""
+    return args.seed * 100003 + version + 7919 * args.sample_seed
+
+
 def kv_cache_gib(model: str, rows: int, tokens_per_row: int, dtype: str) -> int:
     """KV cache (GiB, rounded up, >= 1) that holds ``rows`` rollouts of ``tokens_per_row`` tokens, plus 25%.
 
@@ -215,7 +223,7 @@ class MethodRun:
 
         ``args.samples`` rollouts of each chosen prompt through
         :func:`integrations.vllm_ext.timed_generate.generate_rollouts`, seeded with
-        ``args.seed * 100003 + version``; with ``rollouts`` a list, one
+        ``args.seed * 100003 + version + 7919 * args.sample_seed``; with ``rollouts`` a list, one
         :class:`integrations.data.trace.Rollout` per rollout is appended to it.
         """
         from integrations.vllm_ext import control
@@ -225,7 +233,7 @@ class MethodRun:
         if self.method == "das":
             control.begin_iteration(llm, version)
         batch = generate_rollouts(llm, [prompts[i] for i in chosen], [problem_ids[i] for i in chosen], samples=args.samples,
-                                  max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed * 100003 + version,
+                                  max_tokens=args.max_tokens, temperature=args.temperature, seed=sampling_seed(args, version),
                                   das=self.method == "das")
         lengths = np.array([len(r.output_ids) for r in batch.rollouts])
         if rollouts is not None:

@@ -36,7 +36,8 @@ def _b(name: str, summary: str, *runs_in: str) -> Budget:
 
 
 BUDGETS: dict[str, Budget] = {b.name: b for b in (
-    _b("none", "no draft tokens", "scheduler", "simulator"),
+    _b("none", "no draft tokens (in the proposer: vLLM's speculative path and the drafter's inserts, drafting nothing: "
+               "their per-step cost on their own, against the method none)", "proposer", "scheduler", "simulator"),
     _b("fixed", "up to K draft tokens per row whenever the drafter finds a match (the paper's 'unlimited draft budget')",
        "proposer", "scheduler", "simulator"),
     _b("cost", "keep the draft tokens whose calibrated path probability pays for their verification under the step-cost model "

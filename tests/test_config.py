@@ -59,9 +59,9 @@ def test_schema_accepts_what_the_drafter_accepts():
     ({"use_request_tree": "yes"}, "['use_request_tree'] must be true or false, got 'yes'"),
     ({"c_base": -1, "c_tok": 0}, "['c_base'] must be null or a finite number > 0, got -1"),
     ({"c_base": 0.01}, "give both c_base and c_tok"),
-    ({"budget": "greedy"}, "['budget']: unknown budget 'greedy'; expected one of ['fixed', 'cost', 'makespan', 'class', 'eq7']"),
+    ({"budget": "greedy"}, "['budget']: unknown budget 'greedy'; expected one of ['none', 'fixed', 'cost', 'makespan', 'class', 'eq7']"),
     ({"budget": "unlimited"}, "budget 'unlimited' is now called 'fixed'"),
-    ({"budget": "none"}, "budget 'none' runs only in the scheduler and simulator"),
+    ({"budget": "class-eq9"}, "budget 'class-eq9' runs only in the simulator"),
     ({"windw": 3}, "unknown key additional_config['das']['windw']"),
 ])
 def test_bad_values_name_the_key_the_value_and_the_expectation(section, message):
@@ -95,7 +95,7 @@ def test_one_name_per_policy_everywhere():
     from integrations.vllm_ext.proposer import BUDGETS
     from scheduler.speculation import POLICIES
 
-    assert BUDGETS == budgets.names("proposer") == ("fixed", "cost", "makespan", "class", "eq7")
+    assert BUDGETS == budgets.names("proposer") == ("none", "fixed", "cost", "makespan", "class", "eq7")
     assert POLICIES == budgets.names("scheduler") == ("none", "fixed", "class", "eq7")
     assert SIM == budgets.names("simulator") == ("none", "fixed", "class-eq9", "class-roofline", "eq7")
     assert DEFAULTS.budget in BUDGETS
@@ -135,7 +135,7 @@ def _rollout_error(capsys, argv: list[str]) -> str:
     (["--budget", "unlimited"], "--budget: budget 'unlimited' is now called 'fixed'"),
     (["--budget", "greedy"], "unknown budget 'greedy'"),
     (["--compare", "none,das:unlimited"], "--compare das:unlimited: budget 'unlimited' is now called 'fixed'"),
-    (["--compare", "das:none"], "--compare das:none: budget 'none' runs only in the scheduler and simulator"),
+    (["--compare", "das:class-eq9"], "--compare das:class-eq9: budget 'class-eq9' runs only in the simulator"),
     (["--num-spec-tokens", "0"], "--num-spec-tokens must be >= 1, got 0"),
     (["--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["--data", "/nonexistent/nope.parquet"], "nope.parquet"),

@@ -194,6 +194,17 @@ def test_cost_budget_drafts_when_steps_are_fixed_cost_and_not_when_tokens_domina
     assert all(len(d) == K for d in fixed)
 
 
+def test_none_budget_never_drafts_but_still_feeds_the_drafter():
+    # das:none measures the speculative path on its own: every row gets an empty draft, while the
+    # verified tokens still go into the drafter (a sibling could draft from them under another budget).
+    drafts, prop = _repetitive_batch(make_config({"budget": "none"}))
+    assert drafts == [[], [], []]
+    assert prop.stats.draft_tokens == 0 and prop.stats.failures == 0
+    assert prop.drafter.num_tokens(["a", "b", "c"]).tolist() == [18, 18, 18]
+    fixed, _ = _repetitive_batch(make_config({"budget": "fixed"}))
+    assert all(len(d) == K for d in fixed)  # the same rows draft under a budget that allows it
+
+
 def test_makespan_budget_prices_like_cost_when_rows_cannot_be_told_apart():
     # Three equal rows, no length history: each finishes last with odds 1/3, the value of an
     # accepted token is c_row + c_base / 3, the cost budget's; so the same drafts.

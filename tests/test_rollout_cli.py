@@ -31,6 +31,15 @@ def test_methods_and_bad_flags():
             parse_args(bad)
 
 
+def test_sample_seed_changes_the_draws_not_the_problems():
+    from integrations.rollout import iteration_prompts, sampling_seed
+
+    base, other = parse_args(["--iterations", "3", "--pool", "6"]), parse_args(["--iterations", "3", "--pool", "6", "--sample-seed", "2"])
+    assert iteration_prompts(50, base) == iteration_prompts(50, other)
+    assert [sampling_seed(base, v) for v in (1, 2, 3)] == [1, 2, 3]  # the draws of every earlier run
+    assert [sampling_seed(other, v) for v in (1, 2, 3)] == [15839, 15840, 15841]
+
+
 def test_every_method_sees_the_same_prompts():
     args = parse_args(["--iterations", "3", "--prompts", "2", "--pool", "5"])
     schedule = iteration_prompts(100, args)

@@ -27,6 +27,8 @@ their defaults and ranges; :func:`das_section` checks them when the proposer is 
 Speculation budget (``additional_config['das']['budget']``), one of :data:`BUDGETS` (the budgets
 of :mod:`scheduler.budgets` that run in the proposer):
 
+- ``"none"``: no draft tokens; the drafter still receives every verified token. Against an
+  engine without speculation this measures what vLLM's speculative path and the inserts cost alone.
 - ``"fixed"``: up to K draft tokens per row whenever the drafter finds a match.
 - ``"cost"`` (default): keep only the draft tokens whose path probability pays for their
   verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
@@ -333,6 +335,8 @@ class DASProposer:
             self.acceptance.observe(np.concatenate(verified_probs), position < np.repeat(np.array(verified_accepted), lens))
         self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted)
         budgets = np.minimum(budgets, self._request_caps(reqs))
+        if self.budget == "none":  # the speculative path and the inserts with no drafts: their cost alone
+            budgets[:] = 0
         prices = cal = values = None
         if self.budget in PRICED:  # priced once per step, used by the gate and by the selection
             prices, cal = self._prices(rows), self._row_calibration(reqs)
