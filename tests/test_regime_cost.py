@@ -95,7 +95,7 @@ def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
 
     rng = np.random.default_rng(7)
     shortcuts = 0
-    for trial in range(200):
+    for _ in range(200):
         xtx, xty, yty = np.zeros((4, 4)), np.zeros(4), 0.0
         slope = rng.choice([0.0014, -0.0004])  # a negative per-row slope forces a constrained fit
         for _ in range(int(rng.integers(8, 60))):
