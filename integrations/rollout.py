@@ -161,8 +161,9 @@ def iteration_prompts(num_problems: int, args: argparse.Namespace) -> list[list[
 
 def sampling_seed(args: argparse.Namespace, version: int) -> int:
     """The torch seed of iteration ``version``'s sampling: ``seed * 100003 + version + 7919 * sample_seed``
-    (``--sample-seed`` draws other tokens for the same problems, which ``--seed`` alone chooses)."""
-    return args.seed * 100003 + version + 7919 * args.sample_seed
+    (``--sample-seed`` draws other tokens for the same problems, which ``--seed`` alone chooses;
+    an ``args`` without ``sample_seed``, built by a caller rather than parsed, counts as 0)."""
+    return args.seed * 100003 + version + 7919 * getattr(args, "sample_seed", 0)
 
 
 def kv_cache_gib(model: str, rows: int, tokens_per_row: int, dtype: str) -> int:
