@@ -70,22 +70,20 @@ def test_drafting_can_pay_matches_choose_drafts_at_its_bound():
 
 
 def _exhaustive_nnls(xtx, xty, yty):
-    """Every subset keeping c_base, solved unconstrained; the non-negative one with the least error."""
-    best, best_sse = None, np.inf
-    for mask in range(1, 16, 2):
-        idx = [i for i in range(4) if mask >> i & 1]
-        a = xtx[np.ix_(idx, idx)]
-        if np.linalg.cond(a) > 1e12:
-            continue
-        sol = np.linalg.solve(a, xty[idx])
-        if np.any(sol < 0):
-            continue
-        full = np.zeros(4)
-        full[idx] = sol
-        sse = yty - 2 * full @ xty + full @ xtx @ full
-        if sse < best_sse - 1e-18:
-            best, best_sse = full, sse
-    return best
+    """Reference: every subset of the coefficients with c_base in it, fitted; the best non-negative fit."""
+    import itertools
+
+    fits = []
+    for size in range(4):
+        for rest in itertools.combinations((1, 2, 3), size):
+            idx = np.array((0, *rest))
+            sub = xtx[np.ix_(idx, idx)]
+            if np.linalg.cond(sub) <= 1e12:
+                c = np.zeros(4)
+                c[idx] = np.linalg.solve(sub, xty[idx])
+                if (c >= 0).all():
+                    fits.append((yty - 2 * c @ xty + c @ xtx @ c, c))
+    return min(fits, key=lambda f: f[0])[1] if fits else None
 
 
 def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
