@@ -4,7 +4,7 @@
 
 What one engine step asks of the drafter, as vLLM's proposer drives it: every running request
 appends the tokens its last verification accepted, then drafts up to K tokens. Measured per step
-(wall and thread CPU time, milliseconds) for two ways of doing it:
+(wall time, and CPU time of all the process's threads, milliseconds) for two ways of doing it:
 
 * ``per_row`` (old): ``add_tokens(req_id, tokens)`` for each row, then ``speculate(req_id, K)``
   for each row, from Python;
@@ -27,10 +27,12 @@ step) is timed apart (``lifecycle_ms_mean``), as it is not per-row work.
 Both paths make the same drafts (checked: the runs must take the same number of steps). Each
 path runs ``--repeats`` times, interleaved; as every repeat does exactly the same work step by
 step, a step's time is its fastest over the repeats (which filters out other processes' noise).
-The garbage collector is off while timing.
+The garbage collector is off while timing. From ``das.drafter.PARALLEL_ROWS`` rows on the batch
+path drafts on the drafter's ``draft_threads`` (default: this machine's physical cores, at most
+8; ``--das '{"draft_threads": 1}'`` for one), printed in the header.
 
 JSON (``--json``): ``{"rows": {"256": {"p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms",
-"mean_ms", "steps", ..., "per_row": {same keys}}}, "trace": ..., "machine": ...}``: the top-level
+"mean_ms", "steps", ..., "per_row": {same keys}}}, "trace": ..., "machine": ..., "draft_threads": ...}``: the top-level
 keys of a row count are the batch path's; ``per_row`` holds the old path's.
 """
 
@@ -50,6 +52,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.replay import CACHE, default_trace_path, load_trace
+from das.drafter import PARALLEL_ROWS
 
 DEFAULT_ROWS = (16, 64, 256, 1024)
 DEFAULT_K = 16
@@ -121,7 +124,7 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
     dlen = np.zeros(R, np.int64)
     budgets = np.full(R, k, np.int64)
     nxt = 0
-    perf, cpu = time.perf_counter_ns, time.thread_time_ns
+    perf, cpu = time.perf_counter_ns, time.process_time_ns  # CPU of every thread: the drafter's own included
     wall_ns: list[int] = []
     cpu_ns: list[int] = []
     add_ns: list[int] = []  # the appending part of wall_ns
@@ -256,6 +259,17 @@ def warm_up(iterations, k: int, paths=PATHS, config: dict[str, Any] | None = Non
     small = [rs[:8] for rs in iterations]
     for p in paths:
         simulate(Workload(small, 4), p, k, 20, config)
+    simulate(Workload(small, PARALLEL_ROWS), "batch", k, 5, config)  # the multi-threaded kernel
+
+
+def threads_of(config: dict[str, Any]) -> int:
+    """Threads the drafter of ``config`` drafts a step's rows on (at least ``PARALLEL_ROWS`` rows)."""
+    import numba
+
+    from das import DASDrafter
+
+    d = DASDrafter(**config)
+    return min(d._threads, numba.get_num_threads()) if d.chooser == "mix" else 1
 
 
 def cpu_model() -> str:
@@ -287,7 +301,8 @@ def format_table(report: dict[str, Any]) -> str:
     head = ["rows", "path", "p50_ms", "append_p50", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "speedup_p50"]
     machine = report["machine"]
     title = (f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, {report['trace']['iterations']} iterations); "
-             f"K = {report['k']}; CPU: {machine['cpu']} ({machine['cpu_count']} cores)")
+             f"K = {report['k']}; CPU: {machine['cpu']} ({machine['cpu_count']} cores); "
+             f"draft threads {report.get('draft_threads', 1)} from {report.get('parallel_rows', '-')} rows")
     table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ""], colalign=[
         "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
     return f"{title}\n\n{table}"
@@ -339,6 +354,8 @@ def main(argv=None) -> int:
                   "mean_output_tokens": round(float(np.mean([r.output.shape[0] for rs in iterations for r in rs])), 1)},
         "k": args.k,
         "das": config,
+        "draft_threads": threads_of(config),
+        "parallel_rows": PARALLEL_ROWS,
         "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg_1m_at_start": round(os.getloadavg()[0], 2)},
         "rows": {},

@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from das._trie_kernels import (
     C_BEST,
@@ -385,7 +385,28 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
     Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and ``out_len[r]``, and
     for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
-    ``dset[h, :k]``, ``dk[h] = k``. ``D``: the trees' max_depth."""
+    ``dset[h, :k]``, ``dk[h] = k``. ``D``: the trees' max_depth. One thread."""
+    _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+              dtok, dx, dset, dk, 0, 1)
+
+
+@njit(cache=True, parallel=True)
+def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
+                       out_len, dtok, dx, dset, dk, parts):
+    """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
+    batches its rows: part ``p`` drafts rows ``p, p + parts, ...`` (interleaved, so that long and
+    short drafts spread over the parts). The same drafts. Rows only read the trees and the
+    weights and write their own row and handle, so the handles must be distinct (the caller
+    checks)."""
+    for p in prange(parts):
+        _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+                  dtok, dx, dset, dk, p, parts)
+
+
+@njit(cache=True)
+def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+              dtok, dx, dset, dk, first, stride):
+    """:func:`mix_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
     width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
     ld = np.empty((NT, D + 1), np.int64)
@@ -403,7 +424,7 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     cand = np.empty(NT * (D + 1), np.int64)
     sums = np.empty(NIN, np.float64)
     cnts = np.empty(NIN, np.float64)
-    for r in range(handles.shape[0]):
+    for r in range(first, handles.shape[0], stride):
         m = budgets[r]
         h = handles[r]
         k = 0

@@ -8,7 +8,8 @@ and turns pydantic's errors into a ``ValueError`` that names the key, the value 
 expected, e.g. ``additional_config['das']['window'] must be an int >= 1, got 0``.
 
 Keys (see each field's description): drafter ``window``, ``decay``, ``keep_visits``, ``age_in_visits``, ``max_depth``,
-``max_spec_factor``, ``min_token_prob``, ``max_problems``, ``use_request_tree``, ``prior``;
+``max_spec_factor``, ``min_token_prob``, ``max_problems``, ``use_request_tree``, ``prior``, ``chooser``,
+``global_rollouts``, ``mix_lr``, ``draft_threads``;
 budget ``budget`` (a proposer budget of :mod:`scheduler.budgets`), ``c_base`` and ``c_tok``
 (seconds, both or neither).
 """
@@ -55,6 +56,8 @@ class DASConfig(BaseModel):
     global_rollouts: int = Field(256, ge=0, description="finished rollouts of every problem kept in one global tree, the mix "
                                  "chooser's third scope (0: none)")
     mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
+    draft_threads: int = Field(0, ge=0, description="threads that draft a step's rows at once (mix chooser, steps of 128 rows or "
+                               "more, as vLLM's n-gram proposer); 0: this machine's physical cores, at most 8")
     budget: str = Field("cost", description="speculation budget, one of scheduler.budgets (proposer): "
                                             + _budgets.describe("proposer"))
     c_base: float | None = Field(None, gt=0, description="fixed step cost in seconds (with c_tok): used instead of the online fit")
@@ -81,7 +84,7 @@ class DASConfig(BaseModel):
 
 
 DRAFTER_KEYS = ("window", "decay", "keep_visits", "age_in_visits", "max_depth", "max_spec_factor", "min_token_prob", "max_problems",
-                "use_request_tree", "prior", "chooser", "global_rollouts", "mix_lr")
+                "use_request_tree", "prior", "chooser", "global_rollouts", "mix_lr", "draft_threads")
 CHOOSERS = ("mix", "walk")
 BUDGET_KEYS = ("budget", "c_base", "c_tok")
 SHOWN_KEYS = ("window", "decay", "budget")  # the keys the shipped recipes and overlays spell out

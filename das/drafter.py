@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from functools import partial
@@ -61,9 +62,12 @@ _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _new_tuple = tuple.__new__
 
-__all__ = ["DASDrafter", "DraftBatch", "problem_id"]
+__all__ = ["DASDrafter", "DraftBatch", "PARALLEL_ROWS", "physical_cores", "problem_id"]
 
 _RESCALE_LOG2 = 40.0  # rescale a problem tree when a new weight would exceed 2**40
+# rows from which speculate_batch drafts on several threads: below it a step's drafting is well
+# under a millisecond on one core, and waking the thread pool costs tens of microseconds
+PARALLEL_ROWS = 128
 
 
 def problem_id(prompt_token_ids) -> str:
@@ -246,6 +250,12 @@ class DASDrafter:
             DSR-sub replay acceptance length 2.418 at 236 bytes per stored token against 2.423 at
             373 with 1024 (arctic-inference: 346) and 2.403 with 128; 0: none. Unused by ``"walk"``.
         mix_lr: float > 0, AdaGrad step size of the mixer's online logistic regression. Default 0.1.
+        draft_threads: int >= 0, threads that draft the rows of one :meth:`speculate_batch` call
+            at once (numba ``prange``, as vLLM's n-gram proposer), used by the ``"mix"`` chooser
+            from :data:`PARALLEL_ROWS` rows on; the drafts are the same as on one thread. 0:
+            this machine's physical cores available to the process, at most 8
+            (:func:`physical_cores`); 1: one thread. Default 0 (step cost at 256 rows on a 2-core
+            Zen 4: 2.2 ms instead of 3.3 on one thread, see benchmarks/README.md).
 
     Raises:
         ValueError: an argument of the wrong type or out of range (the message names it).
@@ -266,6 +276,7 @@ class DASDrafter:
         chooser: str = DEFAULTS.chooser,
         global_rollouts: int = DEFAULTS.global_rollouts,
         mix_lr: float = DEFAULTS.mix_lr,
+        draft_threads: int = DEFAULTS.draft_threads,
     ):
         self.window = _int_arg(window, "window", 1)
         self.decay = _float_arg(decay, "decay", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
@@ -290,6 +301,9 @@ class DASDrafter:
         self.chooser = chooser
         self.global_rollouts = _int_arg(global_rollouts, "global_rollouts", 0)
         self.mix_lr = _float_arg(mix_lr, "mix_lr", "a finite number > 0", lambda x: 0.0 < x < math.inf)
+        self.draft_threads = _int_arg(draft_threads, "draft_threads", 0)
+        self._threads = self.draft_threads or min(8, physical_cores())
+        self.parallel_calls = 0  # speculate_batch calls drafted on several threads
         self._log_inv_decay = -math.log(self.decay)  # >= 0
         self._version = 0
         self._problems: OrderedDict[Hashable, _Problem] = OrderedDict()
@@ -766,13 +780,32 @@ class DASDrafter:
             if kmax > self._dtok.shape[1]:
                 self._grow_pending(kmax)
             gti = self._gti if self._gseqs else -1
-            mixing.mix_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets,
-                             mp, self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx,
-                             self._dset, self._dk)
+            args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets, mp,
+                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk)
+            parts = self._parts(handles)
+            if parts > 1:
+                mixing.mix_batch_parallel(*args, parts)
+                self.parallel_calls += 1
+            else:
+                mixing.mix_batch(*args)
         elif rows:
             kernels.draft_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets,
                                 mp, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
         return DraftBatch(tokens, probs, lengths)
+
+    def _parts(self, handles: np.ndarray) -> int:
+        """Threads for drafting these rows: 1 below :data:`PARALLEL_ROWS` rows (waking threads
+        costs more than it saves there) or when a request has several rows (they would write its
+        pending draft at once)."""
+        rows = handles.shape[0]
+        if self._threads < 2 or rows < PARALLEL_ROWS:
+            return 1
+        import numba
+
+        parts = min(self._threads, numba.get_num_threads())
+        if parts > 1 and np.unique(handles).shape[0] < rows:
+            return 1
+        return parts
 
     def _grow_pending(self, k: int) -> None:
         """Room for pending drafts of ``k`` tokens per handle (the mixer's learning state)."""
@@ -938,7 +971,8 @@ class DASDrafter:
         """Counters: ``problems``, ``sequences``, ``tokens`` (stored in problem trees, prompt tails
         included), ``nodes``, ``bytes`` (problem trees and the global tree), ``requests`` (live),
         ``request_tree_bytes``, ``global_rollouts`` (rollouts in the global tree), ``global_tree_bytes``,
-        ``mix_outcomes`` (draft-token outcomes the ``"mix"`` chooser's mixer learned from)."""
+        ``mix_outcomes`` (draft-token outcomes the ``"mix"`` chooser's mixer learned from),
+        ``parallel_drafts`` (:meth:`speculate_batch` calls drafted on several threads)."""
         seqs = toks = nodes = nbytes = 0
         for prob in self._problems.values():
             t = prob.tree
@@ -959,6 +993,7 @@ class DASDrafter:
             "global_rollouts": len(self._gseqs),
             "global_tree_bytes": gbytes,
             "mix_outcomes": self.outcomes_learned,
+            "parallel_drafts": self.parallel_calls,
         }
 
 
@@ -997,6 +1032,24 @@ def _batch_error(code: int, r: int, c: int, tokens: np.ndarray, starts: np.ndarr
     if code == kernels.E_END:
         return f"ends[{r}] must be <= token_ids.shape[1] = {tokens.shape[1]}, got {int(ends[r])}"
     return f"token {int(tokens[r, c])} at token_ids[{r}, {c}] is out of range [0, {VOCAB_LIMIT})"
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (hyper-threads of one core count
+    once), from ``/sys/devices/system/cpu/cpu*/topology``; the CPU count if that is unreadable."""
+    try:
+        cpus = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+    cores = set()
+    for c in cpus:
+        top = f"/sys/devices/system/cpu/cpu{c}/topology"
+        try:
+            with open(f"{top}/physical_package_id") as f1, open(f"{top}/core_id") as f2:
+                cores.add((f1.read().strip(), f2.read().strip()))
+        except OSError:
+            return max(1, len(cpus))
+    return max(1, len(cores))
 
 
 def _int_arg(x, name: str, lo: int | None = None, hi: int | None = None) -> int:

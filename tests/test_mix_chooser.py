@@ -126,3 +126,61 @@ def test_a_calls_min_prob_moves_where_drafts_stop(chooser):
         np.testing.assert_array_equal(g.tokens[0, : n[0.5]], got[0.5].tokens[0, : n[0.5]])
     with pytest.raises(ValueError, match=r"min_prob must be a number in \[0, 1\], got 1.5"):
         d.speculate_batch(["r"], [4], min_prob=1.5)
+
+
+def test_parallel_drafting_makes_the_drafts_of_one_thread(monkeypatch):
+    """``draft_threads=2`` drafts a step's rows on two threads (numba ``prange``): the same draft
+    tokens, path probabilities and learning state as one thread, step after step; a batch in
+    which a request has two rows is drafted on one thread (its rows would write one pending draft)."""
+    import numba
+
+    import das.drafter as drafter_module
+
+    if numba.config.NUMBA_NUM_THREADS < 2:
+        pytest.skip("numba has one thread here")
+    monkeypatch.setattr(drafter_module, "PARALLEL_ROWS", 8)
+    rng = np.random.default_rng(3)
+    kw = dict(window=4, max_depth=8, min_token_prob=0.05, global_rollouts=16)
+    one, two = DASDrafter(draft_threads=1, **kw), DASDrafter(draft_threads=2, **kw)
+    assert (one.draft_threads, two.draft_threads) == (1, 2)
+    patterns = [rng.integers(0, 12, 30) for _ in range(4)]
+    for v in range(3):  # history: each problem's rollouts repeat its pattern with noise
+        for d in (one, two):
+            d.begin_iteration(v)
+        for p, pat in enumerate(patterns):
+            for _ in range(4):
+                out = np.where(rng.random(pat.shape[0]) < 0.2, rng.integers(0, 12, pat.shape[0]), pat)
+                for d in (one, two):
+                    d.add_rollout([p, 99], out, problem_id=p)
+    rows = [f"r{i}" for i in range(24)]
+    toks = {rid: [i % 4, 99] for i, rid in enumerate(rows)}
+    for rid in rows:
+        for d in (one, two):
+            d.start_request(rid, toks[rid], problem_id=int(rid[1:]) % 4)
+    for _ in range(12):
+        mat = np.zeros((len(rows), 64), np.int32)
+        ends = np.zeros(len(rows), np.int64)
+        for r, rid in enumerate(rows):
+            pat = patterns[r % 4]
+            n = len(toks[rid]) - 2
+            toks[rid] += [int(pat[(n + j) % pat.shape[0]]) for j in range(int(rng.integers(1, 4)))]
+            mat[r, : len(toks[rid])] = toks[rid]
+            ends[r] = len(toks[rid])
+        budgets = rng.integers(0, 9, len(rows))
+        got = []
+        for d in (one, two):
+            d.add_tokens_batch(rows, mat, None, ends)
+            got.append(d.speculate_batch(rows, budgets))
+        assert got[0].lengths.tolist() == got[1].lengths.tolist()
+        assert got[0].tokens.tolist() == got[1].tokens.tolist()
+        assert got[0].probs.tolist() == got[1].probs.tolist()
+    assert int(got[1].lengths.sum()) > 0
+    assert one.parallel_calls == 0 and two.parallel_calls == 12
+    assert one.outcomes_learned == two.outcomes_learned > 0
+    assert one.mixer_weights.tolist() == two.mixer_weights.tolist()
+    twice = rows[:8] + rows[:1]  # r0 on two rows
+    a = one.speculate_batch(twice, np.full(9, 4))
+    b = two.speculate_batch(twice, np.full(9, 4))
+    assert two.parallel_calls == 12 and a.tokens.tolist() == b.tokens.tolist()
+    with pytest.raises(ValueError, match="draft_threads must be >= 0, got -1"):
+        DASDrafter(draft_threads=-1)
