@@ -58,7 +58,7 @@ numba code may build on :func:`borrowed_views` and :func:`greedy_walk`.
 from __future__ import annotations
 
 import numpy as np
-from numba import carray, njit, types
+from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
 TOKEN_BITS = 20
@@ -1032,26 +1032,56 @@ def add_batch(trees, ri, rw, handles, tokens, starts, ends, row0):
     the row's tokens that tree took; the caller grows that tree, inserts the rest of the row (for
     ``part`` 0 also into the request tree) and calls again from ``row + 1``."""
     for r in range(row0, handles.shape[0]):
-        a = starts[r]
-        n = ends[r] - a
-        if n <= 0:
-            continue
-        h = handles[r]
-        seg = tokens[r, a : a + n]
-        ri[h, R_NUM_TOKENS] += n
-        pt = ri[h, R_PROBLEM_TREE]
-        if pt >= 0:
-            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[pt])
-            d = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, ri[h, R_PROBLEM_SLOT], seg, rw[h])
-            if d < n:
-                return r, 0, d
-        rt = ri[h, R_REQUEST_TREE]
-        if rt >= 0:
-            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[rt])
-            d = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, ri[h, R_REQUEST_SLOT], seg, 1.0)
-            if d < n:
-                return r, 1, d
+        part, d = _add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
+        if part >= 0:
+            return r, part, d
     return -1, 0, 0
+
+
+@njit(cache=True, inline="always")
+def _add_row(trees, ri, rw, h, tokens, starts, ends, r):
+    """Row ``r`` of :func:`add_batch`; returns ``(-1, 0)``, or ``(part, done)`` when a tree ran short."""
+    a = starts[r]
+    n = ends[r] - a
+    if n <= 0:
+        return -1, 0
+    seg = tokens[r, a : a + n]
+    ri[h, R_NUM_TOKENS] += n
+    pt = ri[h, R_PROBLEM_TREE]
+    if pt >= 0:
+        meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[pt])
+        d = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, ri[h, R_PROBLEM_SLOT], seg, rw[h])
+        if d < n:
+            return 0, d
+    rt = ri[h, R_REQUEST_TREE]
+    if rt >= 0:
+        meta, nodes, weights, hash_table, seqs, pool = borrowed_views(trees[rt])
+        d = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, ri[h, R_REQUEST_SLOT], seg, 1.0)
+        if d < n:
+            return 1, d
+    return -1, 0
+
+
+@njit(cache=True, parallel=True)
+def add_batch_parallel(trees, ri, rw, handles, tokens, starts, ends, owner, parts, stops):
+    """:func:`add_batch` on ``parts`` threads: part ``p`` appends the rows with ``owner[r] == p``
+    in order. Rows that share a tree must share a part (the caller gives each row its problem
+    tree's part, or its request tree's when it has no problem tree), so no two threads touch
+    one tree. A part stops at its first row whose tree ran short of capacity: ``stops[p] =
+    (row, part, done)`` as :func:`add_batch` returns (``row`` -1: the part finished); its later
+    rows are left to the caller."""
+    rows = handles.shape[0]
+    for p in prange(parts):
+        stops[p, 0] = -1
+        for r in range(rows):
+            if owner[r] != p:
+                continue
+            part, d = _add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
+            if part >= 0:
+                stops[p, 0] = r
+                stops[p, 1] = part
+                stops[p, 2] = d
+                break
 
 
 @njit(cache=True)

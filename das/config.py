@@ -56,7 +56,7 @@ class DASConfig(BaseModel):
     global_rollouts: int = Field(256, ge=0, description="finished rollouts of every problem kept in one global tree, the mix "
                                  "chooser's third scope (0: none)")
     mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
-    draft_threads: int = Field(0, ge=0, description="threads that draft a step's rows at once (mix chooser, steps of 128 rows or "
+    draft_threads: int = Field(0, ge=0, description="threads that append and draft a step's rows at once (steps of 128 rows or "
                                "more, as vLLM's n-gram proposer); 0: this machine's physical cores, at most 8")
     budget: str = Field("cost", description="speculation budget, one of scheduler.budgets (proposer): "
                                             + _budgets.describe("proposer"))

@@ -250,12 +250,13 @@ class DASDrafter:
             DSR-sub replay acceptance length 2.418 at 236 bytes per stored token against 2.423 at
             373 with 1024 (arctic-inference: 346) and 2.403 with 128; 0: none. Unused by ``"walk"``.
         mix_lr: float > 0, AdaGrad step size of the mixer's online logistic regression. Default 0.1.
-        draft_threads: int >= 0, threads that draft the rows of one :meth:`speculate_batch` call
-            at once (numba ``prange``, as vLLM's n-gram proposer), used by the ``"mix"`` chooser
-            from :data:`PARALLEL_ROWS` rows on; the drafts are the same as on one thread. 0:
-            this machine's physical cores available to the process, at most 8
-            (:func:`physical_cores`); 1: one thread. Default 0 (step cost at 256 rows on a 2-core
-            Zen 4: 2.2 ms instead of 3.3 on one thread, see benchmarks/README.md).
+        draft_threads: int >= 0, threads that append and draft the rows of one
+            :meth:`add_tokens_batch` / :meth:`speculate_batch` call at once (numba ``prange``, as
+            vLLM's n-gram proposer) from :data:`PARALLEL_ROWS` rows on (drafting: the ``"mix"``
+            chooser); the trees and drafts are the same as on one thread. 0: this machine's
+            physical cores available to the process, at most 8 (:func:`physical_cores`); 1: one
+            thread. Default 0 (step cost at 256 rows on a 2-core Zen 4: about 1.7-2.4 ms instead
+            of 3-4 on one thread, see benchmarks/README.md).
 
     Raises:
         ValueError: an argument of the wrong type or out of range (the message names it).
@@ -303,7 +304,7 @@ class DASDrafter:
         self.mix_lr = _float_arg(mix_lr, "mix_lr", "a finite number > 0", lambda x: 0.0 < x < math.inf)
         self.draft_threads = _int_arg(draft_threads, "draft_threads", 0)
         self._threads = self.draft_threads or min(8, physical_cores())
-        self.parallel_calls = 0  # speculate_batch calls drafted on several threads
+        self.parallel_calls = 0  # batch calls (appending or drafting) run on several threads
         self._log_inv_decay = -math.log(self.decay)  # >= 0
         self._version = 0
         self._problems: OrderedDict[Hashable, _Problem] = OrderedDict()
@@ -717,14 +718,45 @@ class DASDrafter:
         if code:
             raise ValueError(_batch_error(code, r, c, tokens, starts, ends))
         self._learn(handles, tokens, starts, ends)
+        parts = self._threads if rows >= PARALLEL_ROWS else 1
+        if parts > 1:
+            import numba
+
+            parts = min(parts, numba.get_num_threads())
+        if parts > 1:
+            self._add_rows_parallel(handles, tokens, starts, ends, parts)
+        else:
+            self._add_rows(handles, tokens, starts, ends)
+        return ends - starts
+
+    def _add_rows(self, handles: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
+        """Append the rows in order on one thread (checked rows), growing trees that run short."""
         row = 0
-        while row < rows:
+        while row < handles.shape[0]:
             r, part, done = kernels.add_batch(self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, row)
             if r < 0:
                 break
             self._finish_row(self._hreq[handles[r]], tokens[r, starts[r] : ends[r]], part, done)
             row = r + 1
-        return ends - starts
+
+    def _add_rows_parallel(self, handles, tokens, starts, ends, parts: int) -> None:
+        """:meth:`_add_rows` on ``parts`` threads: rows are split by problem tree (a row without
+        one by its request tree), so each tree is appended to by one thread, in row order. A part
+        whose tree ran short stops there; that row is finished here and the part's later rows
+        are appended on one thread."""
+        pt = self._ri[handles, kernels.R_PROBLEM_TREE]
+        owner = np.where(pt >= 0, pt, self._ri[handles, kernels.R_REQUEST_TREE]) % parts
+        stops = np.empty((parts, 3), np.int64)
+        kernels.add_batch_parallel(self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, owner, parts, stops)
+        self.parallel_calls += 1
+        for p in range(parts):
+            r, part, done = (int(x) for x in stops[p])
+            if r < 0:
+                continue
+            self._finish_row(self._hreq[handles[r]], tokens[r, starts[r] : ends[r]], part, done)
+            rest = np.flatnonzero(owner[r + 1 :] == p) + r + 1
+            if rest.shape[0]:
+                self._add_rows(handles[rest], tokens[rest], starts[rest], ends[rest])
 
     def _finish_row(self, req: _Request, seg: np.ndarray, part: int, done: int) -> None:
         """Finish a row :func:`das._trie_kernels.add_batch` stopped at: a tree ran short of
@@ -972,7 +1004,8 @@ class DASDrafter:
         included), ``nodes``, ``bytes`` (problem trees and the global tree), ``requests`` (live),
         ``request_tree_bytes``, ``global_rollouts`` (rollouts in the global tree), ``global_tree_bytes``,
         ``mix_outcomes`` (draft-token outcomes the ``"mix"`` chooser's mixer learned from),
-        ``parallel_drafts`` (:meth:`speculate_batch` calls drafted on several threads)."""
+        ``parallel_calls`` (:meth:`add_tokens_batch` and :meth:`speculate_batch` calls run on
+        several threads)."""
         seqs = toks = nodes = nbytes = 0
         for prob in self._problems.values():
             t = prob.tree
@@ -993,7 +1026,7 @@ class DASDrafter:
             "global_rollouts": len(self._gseqs),
             "global_tree_bytes": gbytes,
             "mix_outcomes": self.outcomes_learned,
-            "parallel_drafts": self.parallel_calls,
+            "parallel_calls": self.parallel_calls,
         }
 
 

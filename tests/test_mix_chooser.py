@@ -128,10 +128,12 @@ def test_a_calls_min_prob_moves_where_drafts_stop(chooser):
         d.speculate_batch(["r"], [4], min_prob=1.5)
 
 
-def test_parallel_drafting_makes_the_drafts_of_one_thread(monkeypatch):
-    """``draft_threads=2`` drafts a step's rows on two threads (numba ``prange``): the same draft
-    tokens, path probabilities and learning state as one thread, step after step; a batch in
-    which a request has two rows is drafted on one thread (its rows would write one pending draft)."""
+def test_parallel_batches_match_one_thread(monkeypatch):
+    """``draft_threads=2`` appends and drafts a step's rows on two threads (numba ``prange``):
+    the same trees, draft tokens, path probabilities and learning state as one thread, step after
+    step, also when a tree runs short of capacity mid-batch (that part finishes on one thread) and
+    when a request has two rows (appended in order; drafted on one thread, as its rows would
+    write one pending draft)."""
     import numba
 
     import das.drafter as drafter_module
@@ -143,6 +145,9 @@ def test_parallel_drafting_makes_the_drafts_of_one_thread(monkeypatch):
     kw = dict(window=4, max_depth=8, min_token_prob=0.05, global_rollouts=16)
     one, two = DASDrafter(draft_threads=1, **kw), DASDrafter(draft_threads=2, **kw)
     assert (one.draft_threads, two.draft_threads) == (1, 2)
+    finished = []  # rows the parallel append stopped at (a tree ran short), finished in Python
+    grow = two._finish_row
+    monkeypatch.setattr(two, "_finish_row", lambda *a: (finished.append(a[2]), grow(*a)))
     patterns = [rng.integers(0, 12, 30) for _ in range(4)]
     for v in range(3):  # history: each problem's rollouts repeat its pattern with noise
         for d in (one, two):
@@ -157,13 +162,14 @@ def test_parallel_drafting_makes_the_drafts_of_one_thread(monkeypatch):
     for rid in rows:
         for d in (one, two):
             d.start_request(rid, toks[rid], problem_id=int(rid[1:]) % 4)
-    for _ in range(12):
-        mat = np.zeros((len(rows), 64), np.int32)
+    for step in range(12):
+        mat = np.zeros((len(rows), 256), np.int32)
         ends = np.zeros(len(rows), np.int64)
         for r, rid in enumerate(rows):
             pat = patterns[r % 4]
             n = len(toks[rid]) - 2
-            toks[rid] += [int(pat[(n + j) % pat.shape[0]]) for j in range(int(rng.integers(1, 4)))]
+            many = step == 2 and r % 3 == 0  # a long segment: request and problem trees run short
+            toks[rid] += [int(pat[(n + j) % pat.shape[0]]) for j in range(60 if many else int(rng.integers(1, 4)))]
             mat[r, : len(toks[rid])] = toks[rid]
             ends[r] = len(toks[rid])
         budgets = rng.integers(0, 9, len(rows))
@@ -174,13 +180,27 @@ def test_parallel_drafting_makes_the_drafts_of_one_thread(monkeypatch):
         assert got[0].lengths.tolist() == got[1].lengths.tolist()
         assert got[0].tokens.tolist() == got[1].tokens.tolist()
         assert got[0].probs.tolist() == got[1].probs.tolist()
-    assert int(got[1].lengths.sum()) > 0
-    assert one.parallel_calls == 0 and two.parallel_calls == 12
+    assert int(got[1].lengths.sum()) > 0 and finished
+    assert one.parallel_calls == 0 and two.parallel_calls == 24
     assert one.outcomes_learned == two.outcomes_learned > 0
     assert one.mixer_weights.tolist() == two.mixer_weights.tolist()
-    twice = rows[:8] + rows[:1]  # r0 on two rows
+    twice = rows[:8] + rows[:1]  # r0 on two rows: appended in order, drafted on one thread
+    mat = np.zeros((9, 256), np.int32)
+    for r, rid in enumerate(twice):
+        toks[rid] += [5] if r < 8 else [6, 7]
+        mat[r, : len(toks[rid])] = toks[rid]
+    starts = np.array([len(toks[rid]) - 1 for rid in rows[:8]] + [len(toks["r0"]) - 2])
+    starts[0] -= 2  # r0's first row appends the 5 only; its second row the 6, 7
+    ends = np.array([len(toks[rid]) for rid in rows[:8]] + [len(toks["r0"])])
+    ends[0] -= 2
+    mat[0, : len(toks["r0"]) - 2] = toks["r0"][:-2]
+    for d in (one, two):
+        d.add_tokens_batch(twice, mat, starts, ends)
+    assert one.num_tokens(rows).tolist() == two.num_tokens(rows).tolist()
     a = one.speculate_batch(twice, np.full(9, 4))
     b = two.speculate_batch(twice, np.full(9, 4))
-    assert two.parallel_calls == 12 and a.tokens.tolist() == b.tokens.tolist()
+    assert two.parallel_calls == 25 and a.tokens.tolist() == b.tokens.tolist()
+    assert {k: v for k, v in one.stats().items() if k != "parallel_calls"} == \
+        {k: v for k, v in two.stats().items() if k != "parallel_calls"}
     with pytest.raises(ValueError, match="draft_threads must be >= 0, got -1"):
         DASDrafter(draft_threads=-1)
