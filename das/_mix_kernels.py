@@ -11,7 +11,7 @@ acceptance probability, with weights learned online from the engine's accept/rej
 
 Scopes (trees): 0 the problem tree (the request's own rollout, its live GRPO siblings and the
 problem's history window), 1 the request tree (its prompt and own output), 2 the global tree
-(recent finished rollouts of every problem). A scope's loci are tracked as the draft grows (the
+(the live rollouts of every problem as they are verified, and recent finished ones). A scope's loci are tracked as the draft grows (the
 locus of the suffix of length ``L`` moves to that of length ``L + 1`` with the drafted token; a new
 length-1 locus is looked up at the root), so a draft token costs one child lookup per locus.
 
@@ -28,7 +28,8 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
 scopes in order, longest locus first). The mixer's logit is ``w[set] . x`` with
 one weight set per draft position (0, 1, 2, 3+: later tokens are conditioned on earlier ones);
-the token with the largest logit is drafted with conditional probability ``sigmoid(logit)``; the
+the token with the largest logit is drafted with conditional probability ``sigmoid(logit)``
+(at most 0.998, the inputs' clip); the
 draft stops before its path probability (product of those) falls below ``min_prob``. Learning
 (:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose outcome
 is known (accepted tokens, then the first rejected one), conditional on the tokens before it.
@@ -46,6 +47,7 @@ from das._trie_kernels import (
     C_DEPTH,
     C_TOKEN,
     M_HASH_SHIFT,
+    R_GLOBAL_SLOT,
     R_PROBLEM_SLOT,
     R_PROBLEM_TREE,
     R_REQUEST_SLOT,
@@ -334,7 +336,9 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                 bt = t
                 for f in range(NIN):
                     xrow[k, f] = sums[f]
-        q = 1.0 / (1.0 + math.exp(-bz))
+        # clipped as the inputs are: the sum of many agreeing inputs is no certainty that a
+        # sampling policy repeats a token (the cost budget prices draft tokens by these)
+        q = min(1.0 / (1.0 + math.exp(-bz)), 1.0 - _CLIP)
         if P * q < min_prob:
             break
         P *= q
@@ -446,14 +450,16 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
                 nl[1] = _seq_loci(m1, ri[h, R_REQUEST_SLOT], D, lu, ld, lL, 1)
             if gti >= 0:
                 priors[2] = gprior
-                # the context's tail: the request's own sequence
-                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(m1 if rt >= 0 else m0)
-                slot = ri[h, R_REQUEST_SLOT] if rt >= 0 else ri[h, R_PROBLEM_SLOT]
-                n = min(seqs[slot, S_LEN], D - 1)
-                base = seqs[slot, S_BASE] + seqs[slot, S_LEN] - n
-                for i in range(n):
-                    ctx[i] = pool[base + i]
-                nl[2] = _ctx_loci(m2, ctx, n, D, lu, ld, lL, 2)
+                if ri[h, R_GLOBAL_SLOT] >= 0:  # the request's live sequence there: its loci
+                    nl[2] = _seq_loci(m2, ri[h, R_GLOBAL_SLOT], D, lu, ld, lL, 2)
+                else:  # look the context's tail (the request's own sequence) up from the root
+                    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(m1 if rt >= 0 else m0)
+                    slot = ri[h, R_REQUEST_SLOT] if rt >= 0 else ri[h, R_PROBLEM_SLOT]
+                    n = min(seqs[slot, S_LEN], D - 1)
+                    base = seqs[slot, S_BASE] + seqs[slot, S_LEN] - n
+                    for i in range(n):
+                        ctx[i] = pool[base + i]
+                    nl[2] = _ctx_loci(m2, ctx, n, D, lu, ld, lL, 2)
             k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
                      totr, totp, feat, only, cand, sums, cnts)
             for j in range(k):

@@ -49,7 +49,7 @@ loads and stores of a leaf extension. Appending tokens for hundreds of requests 
 Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slot ``s``, a row of
 ``seqs``): :func:`append_tokens`, :func:`remove_sequence`, :func:`find_locus`,
 :func:`locus_continuations`, :func:`draft_context`, :func:`draft_sequence`,
-:func:`fill_hash_table`; for a request's two trees at once :func:`append_tokens_two_trees` and
+:func:`fill_hash_table`; for a request's trees at once :func:`append_tokens_trees` and
 :func:`draft_two_trees`; for all rows of an engine step :func:`check_batch`, :func:`add_batch`
 and :func:`draft_batch`. Python side: :func:`buffer_layout` and :func:`buffer_views`. Other
 numba code may build on :func:`borrowed_views` and :func:`greedy_walk`.
@@ -915,23 +915,29 @@ def _draft_sequence_with_scratch(nodes, weights, hash_table, meta, seqs, pool, s
 
 
 @njit(cache=True)
-def append_tokens_two_trees(mem_a, s_a, w_a, mem_b, s_b, w_b, tokens):
-    """Append ``tokens`` to slot ``s_a`` of tree ``a`` and slot ``s_b`` of tree ``b`` (a negative
-    slot skips that tree) in one call. Returns ``(done_a, done_b)`` as :func:`append_tokens` does."""
+def append_tokens_trees(mem_a, s_a, w_a, mem_b, s_b, w_b, mem_c, s_c, w_c, tokens):
+    """Append ``tokens`` to slot ``s_a`` of tree ``a``, slot ``s_b`` of tree ``b`` and slot
+    ``s_c`` of tree ``c`` (a negative slot skips that tree) in one call: a request's problem,
+    request and global trees. Returns ``(done_a, done_b, done_c)`` as :func:`append_tokens` does
+    (a skipped tree: ``len(tokens)``)."""
     n = tokens.shape[0]
     for i in range(n):
         t = tokens[i]
         if t < 0 or t >= VOCAB_LIMIT:
-            return -(i + 1), -(i + 1)
+            return -(i + 1), -(i + 1), -(i + 1)
     da = n
     db = n
+    dc = n
     if s_a >= 0:
         meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem_a)
         da = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, s_a, tokens, w_a)
     if s_b >= 0:
         meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem_b)
         db = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, s_b, tokens, w_b)
-    return da, db
+    if s_c >= 0:
+        meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem_c)
+        dc = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, s_c, tokens, w_c)
+    return da, db, dc
 
 
 @njit(cache=True)
@@ -979,7 +985,8 @@ def _draft_two_trees_with_scratch(mem_a, s_a, prior_a, mem_b, s_b, prior_b, max_
 # * ``ri``: ``int64[handles, R_COLS]``, per request handle: ``R_PROBLEM_TREE`` problem tree index
 #   (-1: none), ``R_PROBLEM_SLOT`` its sequence slot there, ``R_REQUEST_TREE`` request tree index
 #   (-1: none), ``R_REQUEST_SLOT`` its slot there, ``R_NUM_TOKENS`` tokens (prompt + output)
-#   appended so far;
+#   appended so far, ``R_GLOBAL_SLOT`` the slot of its live sequence in the drafter's global tree
+#   (-1: none);
 # * ``rw``: ``float64[handles]``, the weight of the request's sequence in its problem tree;
 # * ``tprior``: ``float64[tree indices]``, the prior of a problem tree (in its weight units).
 
@@ -988,7 +995,8 @@ R_PROBLEM_SLOT = 1
 R_REQUEST_TREE = 2
 R_REQUEST_SLOT = 3
 R_NUM_TOKENS = 4
-R_COLS = 5
+R_GLOBAL_SLOT = 5
+R_COLS = 6
 
 # check_batch error codes (with the row and, for 4, the column of the bad value)
 E_START = 1  # starts[r] < 0
@@ -1036,6 +1044,26 @@ def add_batch(trees, ri, rw, handles, tokens, starts, ends, row0):
         if part >= 0:
             return r, part, d
     return -1, 0, 0
+
+
+@njit(cache=True)
+def add_batch_global(mem, ri, handles, tokens, starts, ends, row0):
+    """Append ``tokens[r, starts[r]:ends[r]]`` to request ``handles[r]``'s live sequence in the
+    global tree ``mem`` (slot ``ri[h, R_GLOBAL_SLOT]``, weight 1; -1: none), for rows ``r >=
+    row0`` in order. One thread: every row shares the tree. Returns ``(-1, 0)``, or the first row
+    whose append ran short of capacity and how many of its tokens went in (the caller grows the
+    tree, appends the rest and calls again from ``row + 1``)."""
+    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
+    for r in range(row0, handles.shape[0]):
+        s = ri[handles[r], R_GLOBAL_SLOT]
+        a = starts[r]
+        n = ends[r] - a
+        if s < 0 or n <= 0:
+            continue
+        d = _append_tokens(nodes, weights, hash_table, meta, seqs, pool, s, tokens[r, a : a + n], 1.0)
+        if d < n:
+            return r, d
+    return -1, 0
 
 
 @njit(cache=True, inline="always")

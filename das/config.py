@@ -53,8 +53,8 @@ class DASConfig(BaseModel):
     chooser: Literal["mix", "walk"] = Field("mix", description="how drafts are chosen: mix (every context of every scope, mixed by "
                                             "online logistic weights learned from accept/reject outcomes) or walk (the best single "
                                             "anchor's greedy walk, the paper's rule)")
-    global_rollouts: int = Field(256, ge=0, description="finished rollouts of every problem kept in one global tree, the mix "
-                                 "chooser's third scope (0: none)")
+    global_rollouts: int = Field(256, ge=0, description="finished rollouts of every problem kept in one global tree beside "
+                                 "the live ones, the mix chooser's third scope (0: none)")
     mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
     draft_threads: int = Field(0, ge=0, description="threads that append and draft a step's rows at once (steps of 128 rows or "
                                "more, as vLLM's n-gram proposer); 0: this machine's physical cores, at most 8")

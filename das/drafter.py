@@ -175,7 +175,7 @@ class _Problem:
 
 
 class _Request:
-    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_seq", "tree_slot", "h", "rti", "plen")
+    __slots__ = ("pid", "problem", "seq", "version", "tree", "tree_seq", "tree_slot", "h", "rti", "plen", "gseq")
 
     def __init__(self, pid, problem, seq, version, tree, tree_seq, tree_slot, h, rti, plen):
         self.pid = pid
@@ -188,6 +188,7 @@ class _Request:
         self.tree_slot = tree_slot  # and its slot (a request tree never removes, so it never moves)
         self.h = h  # handle: row of the drafter's per-request state arrays
         self.rti = rti  # the request tree's index in the drafter's tree table (-1: none)
+        self.gseq = -1  # its live sequence in the drafter's global tree (-1: none)
 
 
 class DASDrafter:
@@ -244,11 +245,15 @@ class DASDrafter:
             learning (:mod:`das._mix_kernels`). On the DSR-sub replay, K = 16: acceptance length
             2.42 vs 2.24 for ``"walk"`` at about the same drafted tokens per accepted token
             (benchmarks/README.md). Default "mix".
-        global_rollouts: int >= 0, finished rollouts of every problem kept in one global tree,
-            oldest out first (the ``"mix"`` chooser's third scope, as arctic-inference's global
-            cache: what other problems' rollouts share, e.g. formatting). Default 256: on the
-            DSR-sub replay acceptance length 2.418 at 236 bytes per stored token against 2.423 at
-            373 with 1024 (arctic-inference: 346) and 2.403 with 128; 0: none. Unused by ``"walk"``.
+        global_rollouts: int >= 0, the global tree (the ``"mix"`` chooser's third scope, as
+            arctic-inference's global cache: what the rollouts of every problem share, e.g.
+            formatting) holds every live request's rollout as it is verified and the last
+            ``global_rollouts`` finished ones, oldest out first. Default 256: on the DSR-sub replay
+            (finished rollouts only, before live ones were added) acceptance length 2.418 at 236
+            bytes per stored token against 2.423 at 373 with 1024 (arctic-inference: 346) and 2.403
+            with 128. Live rollouts in it raised the acceptance length on the three replays by
+            1.6-3.5% (DSR-sub 2.395 -> 2.434; benchmarks/README.md). 0: no global tree. Unused by
+            ``"walk"``.
         mix_lr: float > 0, AdaGrad step size of the mixer's online logistic regression. Default 0.1.
         draft_threads: int >= 0, threads that append and draft the rows of one
             :meth:`add_tokens_batch` / :meth:`speculate_batch` call at once (numba ``prange``, as
@@ -555,7 +560,11 @@ class DASDrafter:
         self._handles[req_id] = h
         self._hreq[h] = req
         slot, w = prob.tree.slot_and_weight(seq)
-        self._ri[h] = (prob.ti, slot, rti, tree_slot if tree is not None else -1, prompt.shape[0])
+        gslot = -1
+        if self._global is not None:  # the live rollout is in the global tree too (as arctic-inference's)
+            req.gseq = self._global.add(tail, reserve=tail.shape[0] + grow)
+            gslot = self._global.slot(req.gseq)
+        self._ri[h] = (prob.ti, slot, rti, tree_slot if tree is not None else -1, prompt.shape[0], gslot)
         self._rw[h] = w
         return pid
 
@@ -607,15 +616,17 @@ class DASDrafter:
         prob = req.problem
         pt = prob.tree if prob is not None else None
         rt = req.tree
-        if pt is None and rt is None:
+        gs = int(self._ri[req.h, kernels.R_GLOBAL_SLOT])
+        if pt is None and rt is None and gs < 0:
             _check_range(arr, "tokens")
             self._ri[req.h, kernels.R_NUM_TOKENS] += m
             return
         ps, pw = pt.slot_and_weight(req.seq) if pt is not None else (-1, 1.0)
         rs = req.tree_slot if rt is not None else -1
-        pbuf = pt.buffer if pt is not None else rt.buffer  # a skipped tree (slot -1) still needs a buffer
+        gbuf = self._global.buffer if gs >= 0 else None
+        pbuf = pt.buffer if pt is not None else rt.buffer if rt is not None else gbuf  # a skipped tree (slot -1) still needs a buffer
         rbuf = rt.buffer if rt is not None else pbuf
-        da, db = kernels.append_tokens_two_trees(pbuf, ps, pw, rbuf, rs, 1.0, arr)
+        da, db, dc = kernels.append_tokens_trees(pbuf, ps, pw, rbuf, rs, 1.0, gbuf if gbuf is not None else pbuf, gs, 1.0, arr)
         if da < 0:
             i = -da - 1
             raise ValueError(f"token {int(arr[i])} at index {i} of tokens is out of range [0, {VOCAB_LIMIT})")
@@ -623,6 +634,8 @@ class DASDrafter:
             pt.extend(req.seq, arr[da:])
         if db < m:
             rt.extend(req.tree_seq, arr[db:])
+        if dc < m:
+            self._global.extend(req.gseq, arr[dc:])
         self._ri[req.h, kernels.R_NUM_TOKENS] += m
 
     def speculate(self, req_id: Hashable, max_tokens: int) -> Draft:
@@ -727,7 +740,20 @@ class DASDrafter:
             self._add_rows_parallel(handles, tokens, starts, ends, parts)
         else:
             self._add_rows(handles, tokens, starts, ends)
+        if self._global is not None:
+            self._add_rows_global(handles, tokens, starts, ends)
         return ends - starts
+
+    def _add_rows_global(self, handles, tokens, starts, ends) -> None:
+        """Append the rows to their requests' live sequences in the global tree (one thread)."""
+        row = 0
+        while row < handles.shape[0]:
+            r, done = kernels.add_batch_global(self._global.buffer, self._ri, handles, tokens, starts, ends, row)
+            if r < 0:
+                break
+            seg = np.ascontiguousarray(tokens[r, starts[r] + done : ends[r]])
+            self._global.extend(self._hreq[handles[r]].gseq, seg)
+            row = r + 1
 
     def _add_rows(self, handles: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Append the rows in order on one thread (checked rows), growing trees that run short."""
@@ -811,7 +837,7 @@ class DASDrafter:
         if rows and self.chooser == "mix":
             if kmax > self._dtok.shape[1]:
                 self._grow_pending(kmax)
-            gti = self._gti if self._gseqs else -1
+            gti = self._gti  # -1 without a global tree
             args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets, mp,
                     self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk)
             parts = self._parts(handles)
@@ -910,6 +936,8 @@ class DASDrafter:
                 assert row[kernels.R_REQUEST_TREE] == -1, rid
         if self._global is not None:
             live_ti[self._gti] = self._global
+            for rid, req in self._requests.items():
+                assert self._ri[req.h, kernels.R_GLOBAL_SLOT] == self._global.slot(req.gseq), rid
         for ti, tree in live_ti.items():
             buf = tab.bufs[ti]
             assert buf.ctypes.data == tree.buffer.ctypes.data and buf.shape == tree.buffer.shape, ti
@@ -925,8 +953,8 @@ class DASDrafter:
         self._dk[h] = 0
         self._out_tokens += int(self._ri[h, kernels.R_NUM_TOKENS]) - req.plen
         self._out_count += 1
-        if self._global is not None and req.problem is not None and req.seq in req.problem.tree:
-            self._add_global(req.problem.tree.sequence(req.seq))
+        if req.gseq >= 0:  # its live sequence in the global tree is now a finished rollout there
+            self._keep_global(req.gseq)
         self._ri[h] = -1
         self._hreq[h] = None
         self._hfree.append(h)
@@ -992,11 +1020,20 @@ class DASDrafter:
         return True
 
     def _add_global(self, seq_tokens: np.ndarray) -> None:
-        """Keep a finished rollout (prompt tail + output) in the global tree, the oldest out past
-        ``global_rollouts``."""
-        self._gseqs.append(self._global.add(seq_tokens))
+        """Keep a finished rollout (prompt tail + output) in the global tree."""
+        self._keep_global(self._global.add(seq_tokens))
+
+    def _keep_global(self, seq: int) -> None:
+        """Count sequence ``seq`` of the global tree as a finished rollout; the oldest finished
+        ones are removed past ``global_rollouts`` (live requests' sequences stay)."""
+        self._gseqs.append(seq)
+        moved = self._global.rebuilds
         while len(self._gseqs) > self.global_rollouts:
             self._global.remove(self._gseqs.popleft())
+        if self._global.rebuilds != moved:  # a rebuild moved the live sequences' slots
+            for req in self._requests.values():
+                if req.gseq >= 0:
+                    self._ri[req.h, kernels.R_GLOBAL_SLOT] = self._global.slot(req.gseq)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, int]:

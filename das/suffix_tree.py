@@ -125,7 +125,7 @@ class SuffixTree:
         ValueError: ``max_depth < 1`` or not an int; ``capacity`` negative or not an int.
     """
 
-    __slots__ = ("_max_depth", "_buffer", "_nodes", "_weights", "_hash_table", "_meta", "_seq_table", "_pool", "_seqs",
+    __slots__ = ("rebuilds", "_max_depth", "_buffer", "_nodes", "_weights", "_hash_table", "_meta", "_seq_table", "_pool", "_seqs",
                  "_slots", "_free_slots", "_next_id", "_draft_buf", "_pool_top", "_pool_garbage", "_zombies", "_zombie_tokens",
                  "_buffer_listener", "_capacity")
 
@@ -139,6 +139,7 @@ class SuffixTree:
         self._max_depth = int(max_depth)
         self._capacity = int(capacity)
         self._buffer_listener = None  # called with the new buffer whenever the trie moves to one (see _set_buffer)
+        self.rebuilds = 0  # rebuilds so far (each moves the sequences' slots: read slot() again after one)
         self._next_id = 0
         self._draft_buf = (np.empty(0, np.int32), np.empty(0, np.float32))
         self._seqs: dict[int, list] = {}  # seq id -> [slot, weight]
@@ -301,6 +302,7 @@ class SuffixTree:
     def _rebuild(self) -> None:
         """Rebuild the trie from the stored sequences (drops the removed ones' pooled tokens)."""
         items = [(sid, self.sequence(sid), w) for sid, (slot, w) in sorted(self._seqs.items())]
+        self.rebuilds += 1
         self._reset()
         self._seqs = {}
         for sid, toks, w in items:

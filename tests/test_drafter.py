@@ -518,6 +518,7 @@ def test_batch_verbs_match_the_per_row_verbs(seed, chooser, monkeypatch):
     assert a.mixer_weights.tolist() == b.mixer_weights.tolist()
     if chooser == "mix":
         assert b.outcomes_learned > 0
+        assert b._global.rebuilds > 0  # live requests' global-tree slots were moved and followed
 
 
 def test_batch_insert_grows_trees_and_repeats_rows():

@@ -128,6 +128,54 @@ def test_a_calls_min_prob_moves_where_drafts_stop(chooser):
         d.speculate_batch(["r"], [4], min_prob=1.5)
 
 
+def test_live_rollouts_of_other_problems_draft_through_the_global_tree():
+    """A live request's tokens are in the global tree as they are verified (as arctic-inference's
+    global cache), so a request of another problem drafts from them before either finishes; a
+    finished request's sequence stays there as a finished rollout (not stored twice)."""
+    for per_row in (True, False):
+        d = DASDrafter()
+        d.start_request("a", [101, 102], problem_id="p1")
+        d.start_request("b", [201, 202], problem_id="p2")
+        out = [7, 8, 9, 10, 11, 12] * 3
+        if per_row:
+            d.add_tokens("a", out)
+            d.add_tokens("b", [7, 8])
+        else:
+            mat = np.array([[101, 102, *out], [201, 202, 7, 8] + [0] * (len(out) - 2)], np.int32)
+            d.add_tokens_batch(["a", "b"], mat, None, np.array([2 + len(out), 4]))
+        assert d.speculate("b", 4).tokens.tolist()[:3] == [9, 10, 11]
+        assert d._global.num_sequences == 2 and d.stats()["global_rollouts"] == 0
+        d.stop_request("a")
+        assert d._global.num_sequences == 2 and d.stats()["global_rollouts"] == 1
+        d._check_batch_state()
+    alone = DASDrafter(global_rollouts=0)  # without a global tree: nothing of p1 reaches b
+    alone.start_request("a", [101, 102], problem_id="p1")
+    alone.start_request("b", [201, 202], problem_id="p2")
+    alone.add_tokens("a", out)
+    alone.add_tokens("b", [7, 8])
+    assert alone.speculate("b", 4).tokens.tolist() == []
+
+
+def test_a_global_tree_that_runs_short_mid_batch_grows_and_takes_the_rest():
+    """The batch path appends to the global tree after the problem and request trees; a row the
+    global tree has no room for is finished in Python, and the later rows still go in."""
+    d = DASDrafter()
+    rows = [f"r{i}" for i in range(3)]
+    for i, rid in enumerate(rows):
+        d.start_request(rid, [100 + i, 99], problem_id=i)
+    rng = np.random.default_rng(0)
+    mat = np.zeros((3, 2 + 3000), np.int32)
+    for i in range(3):
+        mat[i, :2] = [100 + i, 99]
+        mat[i, 2:] = rng.integers(0, 50, 3000)
+    before = d._global.buffer.shape[0]
+    d.add_tokens_batch(rows, mat, None, np.full(3, 3002))
+    assert d._global.buffer.shape[0] > before
+    for i, rid in enumerate(rows):
+        assert d._global.sequence(d._requests[rid].gseq).tolist()[-3000:] == mat[i, 2:].tolist()
+    d._check_batch_state()
+
+
 def test_parallel_batches_match_one_thread(monkeypatch):
     """``draft_threads=2`` appends and drafts a step's rows on two threads (numba ``prange``):
     the same trees, draft tokens, path probabilities and learning state as one thread, step after
