@@ -11,9 +11,11 @@ acceptance probability, with weights learned online from the engine's accept/rej
 
 Scopes (trees): 0 the problem tree (the request's own rollout, its live GRPO siblings and the
 problem's history window), 1 the request tree (its prompt and own output), 2 the global tree
-(the live rollouts of every problem as they are verified, and recent finished ones). A scope's loci are tracked as the draft grows (the
-locus of the suffix of length ``L`` moves to that of length ``L + 1`` with the drafted token; a new
-length-1 locus is looked up at the root), so a draft token costs one child lookup per locus.
+(the live rollouts of every problem as they are verified, and recent finished ones). The request's
+sequence is in all three, so a scope's loci at the start of a draft are its sequence's active loci
+(no lookups); they are tracked as the draft grows (the locus of the suffix of length ``L`` moves to
+that of length ``L + 1`` with the drafted token; a new length-1 locus is looked up at the root), so
+a draft token costs one child lookup per locus.
 
 Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floats):
 
@@ -52,12 +54,10 @@ from das._trie_kernels import (
     R_PROBLEM_TREE,
     R_REQUEST_SLOT,
     R_REQUEST_TREE,
-    S_BASE,
     S_LEN,
     S_LOCI,
     _edge_token,
     _find_child,
-    _find_locus,
     borrowed_views,
 )
 
@@ -128,34 +128,6 @@ def _seq_loci(mem, s, D, lu, ld, lL, tr):
             lL[tr, c] = L
             c += 1
     return _bucket_reps(lu, ld, lL, tr, c)
-
-
-@njit(cache=True)
-def _ctx_loci(mem, ctx, n, D, lu, ld, lL, tr):
-    """Loci in tree ``mem`` of the suffixes of ``ctx[:n]`` of lengths 1, 2, 4, 8, 16 and
-    ``D - 1`` (one per match-length bucket, as :func:`_bucket_reps` keeps), longest first: each
-    is looked up from the root (the request is not in this tree, so it has no active loci here)."""
-    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
-    w = min(n, D - 1)
-    c = 0
-    L = 1
-    while L <= w:
-        u, d = _find_locus(nodes, hash_table, meta, seqs, pool, ctx, n - L, n)
-        if u < 0:
-            break  # a suffix absent from the tree: every longer one is absent too
-        lu[tr, c] = u
-        ld[tr, c] = d
-        lL[tr, c] = L
-        c += 1
-        if L == w:
-            break
-        L = min(2 * L, w)
-    for i in range(c // 2):
-        j = c - 1 - i
-        a, b, e = lu[tr, i], ld[tr, i], lL[tr, i]
-        lu[tr, i], ld[tr, i], lL[tr, i] = lu[tr, j], ld[tr, j], lL[tr, j]
-        lu[tr, j], ld[tr, j], lL[tr, j] = a, b, e
-    return c
 
 
 @njit(cache=True, inline="always")
@@ -418,7 +390,6 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     nl = np.zeros(NT, np.int64)
     tix = np.empty(NT, np.int64)
     priors = np.empty(NT, np.float64)
-    ctx = np.empty(D, np.int32)
     tops = np.empty(NT * (D + 1), np.int64)
     topc = np.empty(NT * (D + 1), np.float64)
     totr = np.empty(NT * (D + 1), np.float64)
@@ -448,18 +419,9 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             if rt >= 0:
                 priors[1] = req_prior
                 nl[1] = _seq_loci(m1, ri[h, R_REQUEST_SLOT], D, lu, ld, lL, 1)
-            if gti >= 0:
+            if gti >= 0 and ri[h, R_GLOBAL_SLOT] >= 0:  # its live sequence in the global tree: its loci
                 priors[2] = gprior
-                if ri[h, R_GLOBAL_SLOT] >= 0:  # the request's live sequence there: its loci
-                    nl[2] = _seq_loci(m2, ri[h, R_GLOBAL_SLOT], D, lu, ld, lL, 2)
-                else:  # look the context's tail (the request's own sequence) up from the root
-                    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(m1 if rt >= 0 else m0)
-                    slot = ri[h, R_REQUEST_SLOT] if rt >= 0 else ri[h, R_PROBLEM_SLOT]
-                    n = min(seqs[slot, S_LEN], D - 1)
-                    base = seqs[slot, S_BASE] + seqs[slot, S_LEN] - n
-                    for i in range(n):
-                        ctx[i] = pool[base + i]
-                    nl[2] = _ctx_loci(m2, ctx, n, D, lu, ld, lL, 2)
+                nl[2] = _seq_loci(m2, ri[h, R_GLOBAL_SLOT], D, lu, ld, lL, 2)
             k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
                      totr, totp, feat, only, cand, sums, cnts)
             for j in range(k):

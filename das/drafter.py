@@ -65,8 +65,8 @@ _new_tuple = tuple.__new__
 __all__ = ["DASDrafter", "DraftBatch", "PARALLEL_ROWS", "physical_cores", "problem_id"]
 
 _RESCALE_LOG2 = 40.0  # rescale a problem tree when a new weight would exceed 2**40
-# rows from which speculate_batch drafts on several threads: below it a step's drafting is well
-# under a millisecond on one core, and waking the thread pool costs tens of microseconds
+# rows from which the batch verbs run on several threads: below it a step's appending and drafting
+# take well under a millisecond on one core, and waking the thread pool costs tens of microseconds
 PARALLEL_ROWS = 128
 
 
@@ -697,7 +697,9 @@ class DASDrafter:
         ``token_ids[r, starts[r]:ends[r]]`` to request ``req_ids[r]``.
 
         The same as ``add_tokens(req_ids[r], token_ids[r, starts[r]:ends[r]])`` for ``r`` in
-        order (so a request may appear in several rows), but one numba call for all rows. Made for
+        order (so a request may appear in several rows), but one numba call for all rows and their
+        problem and request trees (on ``draft_threads`` threads from :data:`PARALLEL_ROWS` rows
+        on, split by problem tree), then one for the global tree. Made for
         vLLM's ``token_ids_cpu`` (row ``r`` = the batch's row ``r``: prompt and output tokens so
         far) with ``starts=None`` and ``ends = num_tokens_no_spec[:rows]``.
 
@@ -731,11 +733,7 @@ class DASDrafter:
         if code:
             raise ValueError(_batch_error(code, r, c, tokens, starts, ends))
         self._learn(handles, tokens, starts, ends)
-        parts = self._threads if rows >= PARALLEL_ROWS else 1
-        if parts > 1:
-            import numba
-
-            parts = min(parts, numba.get_num_threads())
+        parts = self._threads_for(rows)
         if parts > 1:
             self._add_rows_parallel(handles, tokens, starts, ends, parts)
         else:
@@ -851,17 +849,20 @@ class DASDrafter:
                                 mp, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
         return DraftBatch(tokens, probs, lengths)
 
-    def _parts(self, handles: np.ndarray) -> int:
-        """Threads for drafting these rows: 1 below :data:`PARALLEL_ROWS` rows (waking threads
-        costs more than it saves there) or when a request has several rows (they would write its
-        pending draft at once)."""
-        rows = handles.shape[0]
+    def _threads_for(self, rows: int) -> int:
+        """Threads for a batch call of ``rows`` rows: 1 below :data:`PARALLEL_ROWS` (waking
+        threads costs more than it saves there), else ``draft_threads`` as far as numba has them."""
         if self._threads < 2 or rows < PARALLEL_ROWS:
             return 1
         import numba
 
-        parts = min(self._threads, numba.get_num_threads())
-        if parts > 1 and np.unique(handles).shape[0] < rows:
+        return min(self._threads, numba.get_num_threads())
+
+    def _parts(self, handles: np.ndarray) -> int:
+        """Threads for drafting these rows: as :meth:`_threads_for`, but 1 when a request has
+        several rows (they would write its pending draft at once)."""
+        parts = self._threads_for(handles.shape[0])
+        if parts > 1 and np.unique(handles).shape[0] < handles.shape[0]:
             return 1
         return parts
 
