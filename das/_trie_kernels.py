@@ -51,6 +51,7 @@ Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slo
 :func:`locus_continuations`, :func:`draft_context`, :func:`draft_sequence`,
 :func:`fill_hash_table`; for a request's trees at once :func:`append_tokens_trees` and
 :func:`draft_two_trees`; for all rows of an engine step :func:`check_batch`, :func:`add_batch`
+(:func:`add_batch_parallel` on several threads, :func:`add_batch_global` for the global tree)
 and :func:`draft_batch`. Python side: :func:`buffer_layout` and :func:`buffer_views`. Other
 numba code may build on :func:`borrowed_views` and :func:`greedy_walk`.
 """
@@ -1095,8 +1096,9 @@ def add_batch_parallel(trees, ri, rw, handles, tokens, starts, ends, owner, part
     """:func:`add_batch` on ``parts`` threads: part ``p`` appends the rows with ``owner[r] == p``
     in order. Rows that share a tree must share a part (the caller gives each row its problem
     tree's part, or its request tree's when it has no problem tree), so no two threads touch
-    one tree. A part stops at its first row whose tree ran short of capacity: ``stops[p] =
-    (row, part, done)`` as :func:`add_batch` returns (``row`` -1: the part finished); its later
+    one tree (``owner``: ``int64[rows]`` in ``[0, parts)``). A part stops at its first row whose
+    tree ran short of capacity: ``stops[p] = (row, part, done)`` (``stops``: ``int64[parts, 3]``) as
+    :func:`add_batch` returns (``row`` -1: the part finished); its later
     rows are left to the caller."""
     rows = handles.shape[0]
     for p in prange(parts):

@@ -48,3 +48,17 @@ def _vllm_cpu_env(request):
 
         apply_cpu_defaults()  # imports torch (seconds): only in a session that starts vLLM
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_engine_state(request):
+    """Before an engine test: collect the engines earlier tests dropped and reset vLLM's
+    process-wide parallel state (:func:`integrations.vllm_ext.engine.release_engine_state`). An
+    engine left in a reference cycle is otherwise collected whenever the garbage collector next
+    runs, possibly during a later test's engine step, whose parallel groups it then shuts down
+    ("pipeline model parallel group is not initialized"). No fixture keeps an engine across tests."""
+    if request.node.get_closest_marker("engine") is not None:
+        from integrations.vllm_ext.engine import release_engine_state
+
+        release_engine_state()
+    yield

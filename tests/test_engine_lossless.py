@@ -16,7 +16,7 @@ import pytest
 
 from benchmarks.lossless import chi_square
 from integrations.vllm_ext import control
-from integrations.vllm_ext.engine import make_llm, spec_counters
+from integrations.vllm_ext.engine import make_llm, release_engine_state, spec_counters
 
 # every test here runs vLLM engines; vLLM and torch are imported inside them, not at collection
 pytestmark = [pytest.mark.engine, pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")]
@@ -40,6 +40,7 @@ def test_greedy_outputs_identical_with_das(tiny_model):
     base = make_llm(tiny_model, "none", dtype="float32", max_model_len=256)
     expected = _generate(base, PROMPTS, params, 0)
     del base
+    release_engine_state()  # collect it now, not during the next engine's steps
     llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, num_speculative_tokens=8, das_config={"budget": "fixed"})
     got = []
     for version in (1, 2):  # the second iteration drafts from the first one's rollouts
@@ -83,6 +84,7 @@ def sampled(peaked_tiny_model):
     base = make_llm(peaked_tiny_model, "none", dtype="float32", max_model_len=128)
     none, _, _ = _sample_many(base, params, 11, das=False)
     del base
+    release_engine_state()  # collect it now, not during the next engine's steps
     llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6, das_config={"budget": "fixed"})
     das, accepted, drafted = _sample_many(llm, params, 22, das=True)
     fixed = rejection_sampler.expand_batch_to_tokens
