@@ -263,13 +263,11 @@ def warm_up(iterations, k: int, paths=PATHS, config: dict[str, Any] | None = Non
 
 
 def threads_of(config: dict[str, Any]) -> int:
-    """Threads the drafter of ``config`` drafts a step's rows on (at least ``PARALLEL_ROWS`` rows)."""
-    import numba
-
+    """Threads the drafter of ``config`` runs a step of ``PARALLEL_ROWS`` rows or more on (its
+    appending; its drafting too with the ``mix`` chooser)."""
     from das import DASDrafter
 
-    d = DASDrafter(**config)
-    return min(d._threads, numba.get_num_threads()) if d.chooser == "mix" else 1
+    return DASDrafter(**config)._threads_for(PARALLEL_ROWS)
 
 
 def cpu_model() -> str:
