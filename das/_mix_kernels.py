@@ -25,6 +25,13 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
   clipped to ``[0.002, 0.998]`` (``stretch(p) = ln(p / (1 - p))``, read from a table in steps of
   1/4096); 0 where no locus is there;
 * ``[1 + NT * NB + s]``: ``stretch(p)`` at scope ``s``'s longest locus;
+* ``[NIN - 3]`` (:data:`PAIR_RATE`) and ``[NIN - 2]`` (:data:`TOKEN_RATE`): the engine's own
+  outcomes so far, ``stretch((accepted + 1) / (drafted + 2))`` of ``t`` as a draft token after
+  the context's last token ``prev`` (the pair hashed), and of ``t`` after any token: the trees
+  count what rollouts wrote, these count what the current policy accepted when it was drafted
+  (a token the policy keeps rejecting where the history repeats it, e.g. a number in a worked
+  solution, is drafted with less confidence everywhere; replay on three traces: +1.0-1.1%
+  acceptance at the same or fewer drafted tokens per accepted token, benchmarks/README.md);
 * ``[NIN - 1]``: agreement, ``2 * (share of all loci whose most frequent next token is t) - 1``.
 
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
@@ -34,7 +41,8 @@ the token with the largest logit is drafted with conditional probability ``sigmo
 (at most 0.998, the inputs' clip); the
 draft stops before its path probability (product of those) falls below ``min_prob``. Learning
 (:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose outcome
-is known (accepted tokens, then the first rejected one), conditional on the tokens before it.
+is known (accepted tokens, then the first rejected one), conditional on the tokens before it;
+each such outcome also counts in the two outcome tables.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ from das._trie_kernels import (
     R_PROBLEM_TREE,
     R_REQUEST_SLOT,
     R_REQUEST_TREE,
+    S_BASE,
     S_LEN,
     S_LOCI,
     _edge_token,
@@ -63,9 +72,12 @@ from das._trie_kernels import (
 
 NT = 3  # scopes: problem tree, request tree, global tree
 NB = 6  # match-length buckets: 1, 2, 3-4, 5-8, 9-16, 17+
-NIN = 2 + NT * NB + NT  # mixer inputs (see the module docstring)
+NIN = 4 + NT * NB + NT  # mixer inputs (see the module docstring)
 NSETS = 4  # weight sets, by draft position 0, 1, 2, 3+
 AGREE = NIN - 1
+TOKEN_RATE = NIN - 2
+PAIR_RATE = NIN - 3
+OUTCOME_SLOTS = 1 << 16  # rows of each outcome table (token ids, (previous, token) pairs hashed into them)
 _CLIP = 0.002
 MAX_CAND = 4  # candidate tokens per draft position (the first distinct most-frequent tokens of the loci)
 _LEVELS = 4096  # stretch() from a table over probabilities in steps of 1/4096, as PAQ's mixers do
@@ -130,6 +142,14 @@ def _seq_loci(mem, s, D, lu, ld, lL, tr):
     return _bucket_reps(lu, ld, lL, tr, c)
 
 
+@njit(cache=True)
+def _last_token(mem, s):
+    """The last token of slot ``s``'s sequence (-1: empty)."""
+    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
+    n = seqs[s, S_LEN]
+    return pool[seqs[s, S_BASE] + n - 1] if n > 0 else -1
+
+
 @njit(cache=True, inline="always")
 def _scope_mem(s, m0, m1, m2):
     """Scope ``s``'s tree buffer (fetched from the tree table once per row: an item of a numba
@@ -154,8 +174,23 @@ def _add_input(sums, cnts, f, s, st, first):
     return False
 
 
+@njit(cache=True, inline="always")
+def _outcome_slots(prev, t):
+    """Rows of draft token ``t`` (after context token ``prev``) in the two outcome tables: the
+    token id, and the pair hashed (Fibonacci-style multipliers; collisions only blur the rate)."""
+    return t & (OUTCOME_SLOTS - 1), ((prev * 0x9E3779B1) ^ (t * 0x85EBCA77)) & (OUTCOME_SLOTS - 1)
+
+
+@njit(cache=True, inline="always")
+def _rate_input(outcomes, table, i):
+    """``stretch`` of the acceptance rate in row ``i`` of outcome table ``table`` (with one accepted
+    and one rejected pseudo-count: 0 for a row never drafted)."""
+    p = (outcomes[table, i, 0] + 1.0) / (outcomes[table, i, 1] + 2.0)
+    return _STRETCH[min(int(p * _LEVELS), _LEVELS - 1)]
+
+
 @njit(cache=True)
-def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts):
+def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev):
     """An upper bound of the mixer's logit for every candidate but the first (``cand[1:nc]``),
     from the loci's top counts alone (no child lookups): at a locus whose most frequent token is
     the first candidate, another token has at most the rest of the count, elsewhere at most the
@@ -184,6 +219,18 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
             first = _add_input(sums, cnts, feat[j], s, st, first)
         j0 += nl[s]
     most = 0.0
+    thi = -1e300  # the outcome-rate inputs: their range over the other candidates (two reads each)
+    tlo = 1e300
+    phi = -1e300
+    plo = 1e300
+    for ci in range(1, nc):
+        ti, pi = _outcome_slots(prev, cand[ci])
+        v = _rate_input(outcomes, 0, ti)
+        thi = max(thi, v)
+        tlo = min(tlo, v)
+        v = _rate_input(outcomes, 1, pi)
+        phi = max(phi, v)
+        plo = min(plo, v)
     for ci in range(1, nc):
         m = 0.0
         for j in range(ntop):
@@ -195,6 +242,12 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
         if f == AGREE:
             hi = 2.0 * most / ntop - 1.0
             lo = -1.0
+        elif f == TOKEN_RATE:
+            hi = thi
+            lo = tlo
+        elif f == PAIR_RATE:
+            hi = phi
+            lo = plo
         elif cnts[f] > 0.0:
             hi = sums[f] / cnts[f]
             lo = _ST0
@@ -207,7 +260,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 
 @njit(cache=True)
 def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
-         only, cand, sums, cnts):
+         only, cand, sums, cnts, outcomes, prev):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
     ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
     draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
@@ -265,7 +318,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
         bz = -1e300
         bt = -1
         for ci in range(nc):
-            if ci == 1 and _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts) < bz:
+            if ci == 1 and _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev) < bz:
                 break  # no other candidate can beat the first: skip their lookups (the same draft)
             t = cand[ci]
             for f in range(NIN):
@@ -296,6 +349,11 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                     first = _add_input(sums, cnts, feat[j], s, st, first)
             sums[AGREE] = 2.0 * agree / ntop - 1.0
             cnts[AGREE] = 1.0
+            ti, pi = _outcome_slots(prev, t)
+            sums[TOKEN_RATE] = _rate_input(outcomes, 0, ti)
+            cnts[TOKEN_RATE] = 1.0
+            sums[PAIR_RATE] = _rate_input(outcomes, 1, pi)
+            cnts[PAIR_RATE] = 1.0
             sums[0] = 1.0
             cnts[0] = 1.0
             z = 0.0
@@ -316,6 +374,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
         P *= q
         out_tok[k] = bt
         out_prob[k] = P
+        prev = bt
         xset[k] = so
         k += 1
         if k == K:
@@ -355,20 +414,22 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
 
 @njit(cache=True)
 def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk):
+              dtok, dx, dset, dk, outcomes, dprev):
     """Context-mixing drafts for every row (see the module docstring): request ``handles[r]``
     drafts up to ``budgets[r]`` tokens from its problem tree (prior ``tprior[tree]``), its request
     tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
     Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and ``out_len[r]``, and
     for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
-    ``dset[h, :k]``, ``dk[h] = k``. ``D``: the trees' max_depth. One thread."""
+    ``dset[h, :k]``, ``dk[h] = k``, the context's last token ``dprev[h]``. ``outcomes``:
+    ``float64[2, OUTCOME_SLOTS, 2]`` (accepted, drafted) per token id and per (previous token,
+    token) pair, read only. ``D``: the trees' max_depth. One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, 0, 1)
+              dtok, dx, dset, dk, outcomes, dprev, 0, 1)
 
 
 @njit(cache=True, parallel=True)
 def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
-                       out_len, dtok, dx, dset, dk, parts):
+                       out_len, dtok, dx, dset, dk, outcomes, dprev, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
     batches its rows: part ``p`` drafts rows ``p, p + parts, ...`` (interleaved, so that long and
     short drafts spread over the parts). The same drafts. Rows only read the trees and the
@@ -376,12 +437,12 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
     checks)."""
     for p in prange(parts):
         _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-                  dtok, dx, dset, dk, p, parts)
+                  dtok, dx, dset, dk, outcomes, dprev, p, parts)
 
 
 @njit(cache=True)
 def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, first, stride):
+              dtok, dx, dset, dk, outcomes, dprev, first, stride):
     """:func:`mix_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
     width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
@@ -422,8 +483,11 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             if gti >= 0 and ri[h, R_GLOBAL_SLOT] >= 0:  # its live sequence in the global tree: its loci
                 priors[2] = gprior
                 nl[2] = _seq_loci(m2, ri[h, R_GLOBAL_SLOT], D, lu, ld, lL, 2)
+            sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]
+            prev = _last_token(m0, sl)
+            dprev[h] = prev
             k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
-                     totr, totp, feat, only, cand, sums, cnts)
+                     totr, totp, feat, only, cand, sums, cnts, outcomes, prev)
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]
         dk[h] = k
@@ -434,14 +498,15 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
 
 
 @njit(cache=True)
-def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk):
+def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, outcomes, dprev):
     """Learn from the outcomes of the rows' pending drafts: row ``r``'s verified tokens
     ``tokens[r, starts[r]:ends[r]]`` against request ``handles[r]``'s last draft ``dtok[h, :dk[h]]``
     (a row appending nothing leaves its draft pending).
     Draft token ``j`` was accepted iff it equals verified token ``j`` (a recovered token never
     equals the draft token it replaces), given tokens ``< j`` were; each known outcome is one
-    logistic-regression step (AdaGrad: ``g2`` holds the squared gradients) on its inputs. Clears
-    ``dk[h]``. Returns the outcomes learned from."""
+    logistic-regression step (AdaGrad: ``g2`` holds the squared gradients) on its inputs and one
+    count in ``outcomes`` (its token's row and its (previous token, token) row; the first draft
+    token's previous token is ``dprev[h]``). Clears ``dk[h]``. Returns the outcomes learned from."""
     n = 0
     for r in range(handles.shape[0]):
         h = handles[r]
@@ -450,6 +515,7 @@ def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk):
         if k <= 0 or ends[r] <= a:  # no draft pending, or no verification yet (nothing appended)
             continue
         dk[h] = 0
+        prev = dprev[h]
         for j in range(min(k, ends[r] - a)):
             y = 1.0 if dtok[h, j] == tokens[r, a + j] else 0.0
             so = dset[h, j]
@@ -462,6 +528,12 @@ def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk):
                 if gf != 0.0:
                     g2[so + f] += gf * gf
                     wt[so + f] -= lr * gf / math.sqrt(g2[so + f])
+            ti, pi = _outcome_slots(prev, dtok[h, j])
+            outcomes[0, ti, 0] += y
+            outcomes[0, ti, 1] += 1.0
+            outcomes[1, pi, 0] += y
+            outcomes[1, pi, 1] += 1.0
+            prev = dtok[h, j]
             n += 1
             if y == 0.0:
                 break

@@ -331,6 +331,9 @@ class DASDrafter:
         self._dx = np.zeros((16, 16, mixing.NIN), np.float64)
         self._dset = np.zeros((16, 16), np.int64)
         self._dk = np.zeros(16, np.int64)
+        # outcome tables (accepted, drafted) of draft tokens: [0] per token id, [1] per (previous token, token)
+        self._outcomes = np.zeros((2, mixing.OUTCOME_SLOTS, 2), np.float64)
+        self._dprev = np.zeros(16, np.int64)  # per handle: the context's last token when it drafted
         self.outcomes_learned = 0  # draft tokens whose accept/reject outcome the mixer learned from
         self._global = None
         self._out_tokens = 0  # output tokens of the rollouts finished so far (stop_request, add_rollout)
@@ -586,6 +589,7 @@ class DASDrafter:
             self._dx = np.concatenate([self._dx, np.zeros_like(self._dx)])
             self._dset = np.concatenate([self._dset, np.zeros_like(self._dset)])
             self._dk = np.concatenate([self._dk, np.zeros_like(self._dk)])
+            self._dprev = np.concatenate([self._dprev, np.zeros_like(self._dprev)])
         return self._hfree.pop()
 
     def _prompt_tail(self, prompt: np.ndarray) -> np.ndarray:
@@ -837,7 +841,7 @@ class DASDrafter:
                 self._grow_pending(kmax)
             gti = self._gti  # -1 without a global tree
             args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets, mp,
-                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk)
+                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev)
             parts = self._parts(handles)
             if parts > 1:
                 mixing.mix_batch_parallel(*args, parts)
@@ -878,7 +882,7 @@ class DASDrafter:
         """Teach the mixer the outcomes of the rows' pending drafts (checked rows only)."""
         if self.chooser == "mix":
             self.outcomes_learned += mixing.learn_rows(self._wt, self._g2, self.mix_lr, handles, tokens, starts, ends,
-                                                       self._dtok, self._dx, self._dset, self._dk)
+                                                       self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev)
 
     @property
     def mixer_weights(self) -> np.ndarray:

@@ -47,9 +47,46 @@ def test_rejected_drafts_lower_the_acceptance_probability_and_accepted_ones_rais
                 d.add_tokens(pid, np.append(draft.tokens, 99) if outcome == "accepted" else [50])
             d.stop_request(pid)
         probs[outcome] = (seen[0], seen[-1])
-        assert d.outcomes_learned >= 10  # (rejected: drafting stops once its probability falls below min_token_prob)
+        # (rejected: drafting stops once its probability falls below min_token_prob, soon with the outcome tables)
+        assert d.outcomes_learned >= 5
     assert probs["rejected"][1] < probs["rejected"][0]
     assert probs["accepted"][1] > probs["accepted"][0]
+
+
+@pytest.mark.parametrize("outcome", ["rejected", "accepted"])
+def test_outcome_tables_carry_what_the_policy_did_with_a_draft_token_to_other_problems(outcome):
+    """Token 8 after 7, drafted on problem after problem: each outcome counts in the token's row
+    and the (7, 8) row of the outcome tables, and a new problem whose history has 8 after 7
+    drafts it with less confidence after rejections (more after acceptances) than the same
+    mixer weights without those counts."""
+    d = DASDrafter(global_rollouts=0)
+    drafted = accepted = 0
+    for i in range(12):
+        pid = (outcome, i)
+        for _ in range(2):
+            d.add_rollout(PROMPT, [7, 8, 9, 10, 11, 12], problem_id=pid)
+        d.start_request(pid, PROMPT, problem_id=pid)
+        d.add_tokens(pid, [7])
+        draft = d.speculate(pid, 1)
+        if draft.tokens.size:
+            assert draft.tokens.tolist() == [8]
+            drafted += 1
+            accepted += outcome == "accepted"
+            d.add_tokens(pid, [8, 99] if outcome == "accepted" else [50])
+        d.stop_request(pid)
+    assert drafted >= 3 and d._outcomes[0, 8].tolist() == [accepted, drafted]
+    assert d._outcomes[1].sum(axis=0).tolist() == [accepted, drafted]  # one pair row: (7, 8)
+    pid = "new"
+    d.add_rollout(PROMPT, [7, 8, 9, 10, 11, 12], problem_id=pid)
+    d.start_request(pid, PROMPT, problem_id=pid)
+    d.add_tokens(pid, [7])
+    one = np.array([1], np.int64)
+    with_counts = d.speculate_batch([pid], one, min_prob=0.0)
+    d._outcomes[:] = 0.0
+    without = d.speculate_batch([pid], one, min_prob=0.0)
+    assert with_counts.tokens[0].tolist() == without.tokens[0].tolist() == [8]
+    with_counts, without = float(with_counts.probs[0, 0]), float(without.probs[0, 0])
+    assert (with_counts < without) if outcome == "rejected" else (with_counts > without)
 
 
 def test_a_row_without_new_tokens_keeps_its_draft_pending():
