@@ -241,10 +241,11 @@ class DASDrafter:
             each draft token from every context suffix of every scope at once (problem tree,
             request tree, global tree), combined by a logistic mixer whose weights are learned
             online from the accept/reject outcomes of the drafter's own drafts (``add_tokens``
-            after ``speculate``); path probabilities are the mixer's, calibrated by that
-            learning (:mod:`das._mix_kernels`). On the DSR-sub replay, K = 16: acceptance length
-            2.42 vs 2.24 for ``"walk"`` at about the same drafted tokens per accepted token
-            (benchmarks/README.md). Default "mix".
+            after ``speculate``), which also count per draft token and per (previous token,
+            token) pair as two more inputs; path probabilities are the mixer's, calibrated by
+            that learning (:mod:`das._mix_kernels`). On the DSR-sub replay, K = 16: acceptance
+            length 2.46 vs 2.27 for ``"walk"`` and 2.16 for arctic-inference, at fewer drafted
+            tokens per accepted token than either (benchmarks/README.md). Default "mix".
         global_rollouts: int >= 0, the global tree (the ``"mix"`` chooser's third scope, as
             arctic-inference's global cache: what the rollouts of every problem share, e.g.
             formatting) holds every live request's rollout as it is verified and the last
