@@ -28,6 +28,14 @@ def test_mix_is_the_default_and_drafts_what_the_history_repeats():
     assert got.score == pytest.approx(float(got.probs.sum()))
 
 
+def _start_on_new_problem(d: DASDrafter, pid, rollouts: int = 2) -> None:
+    """A problem whose history is ``rollouts`` copies of 7 8 9 10 11 12, and a live request of it at token 7."""
+    for _ in range(rollouts):
+        d.add_rollout(PROMPT, [7, 8, 9, 10, 11, 12], problem_id=pid)
+    d.start_request(pid, PROMPT, problem_id=pid)
+    d.add_tokens(pid, [7])
+
+
 def test_rejected_drafts_lower_the_acceptance_probability_and_accepted_ones_raise_it():
     """The mixer learns from outcomes: a history the policy keeps contradicting loses confidence."""
     probs = {}
@@ -36,10 +44,7 @@ def test_rejected_drafts_lower_the_acceptance_probability_and_accepted_ones_rais
         seen = []
         for i in range(41):  # each time a new problem with the same history: only the mixer changes
             pid = (outcome, i)
-            for _ in range(2):
-                d.add_rollout(PROMPT, [7, 8, 9, 10, 11, 12], problem_id=pid)
-            d.start_request(pid, PROMPT, problem_id=pid)
-            d.add_tokens(pid, [7])
+            _start_on_new_problem(d, pid)
             draft = d.speculate(pid, 4)
             seen.append(float(draft.probs[0]) if draft.tokens.size else 0.0)
             # the engine verifies: all of the draft accepted (+ bonus), or its first token rejected
@@ -63,10 +68,7 @@ def test_outcome_tables_carry_what_the_policy_did_with_a_draft_token_to_other_pr
     drafted = accepted = 0
     for i in range(12):
         pid = (outcome, i)
-        for _ in range(2):
-            d.add_rollout(PROMPT, [7, 8, 9, 10, 11, 12], problem_id=pid)
-        d.start_request(pid, PROMPT, problem_id=pid)
-        d.add_tokens(pid, [7])
+        _start_on_new_problem(d, pid)
         draft = d.speculate(pid, 1)
         if draft.tokens.size:
             assert draft.tokens.tolist() == [8]
@@ -77,9 +79,7 @@ def test_outcome_tables_carry_what_the_policy_did_with_a_draft_token_to_other_pr
     assert drafted >= 3 and d._outcomes[0, 8].tolist() == [accepted, drafted]
     assert d._outcomes[1].sum(axis=0).tolist() == [accepted, drafted]  # one pair row: (7, 8)
     pid = "new"
-    d.add_rollout(PROMPT, [7, 8, 9, 10, 11, 12], problem_id=pid)
-    d.start_request(pid, PROMPT, problem_id=pid)
-    d.add_tokens(pid, [7])
+    _start_on_new_problem(d, pid, rollouts=1)
     one = np.array([1], np.int64)
     with_counts = d.speculate_batch([pid], one, min_prob=0.0)
     d._outcomes[:] = 0.0
