@@ -31,7 +31,8 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
   count what rollouts wrote, these count what the current policy accepted when it was drafted
   (a token the policy keeps rejecting where the history repeats it, e.g. a number in a worked
   solution, is drafted with less confidence everywhere; replay on three traces: +1.0-1.1%
-  acceptance at the same or fewer drafted tokens per accepted token, benchmarks/README.md);
+  acceptance at the same or fewer drafted tokens per accepted token, benchmarks/README.md); the
+  counts fade by the drafter's ``decay`` per policy version, as its rollouts do;
 * ``[NIN - 1]``: agreement, ``2 * (share of all loci whose most frequent next token is t) - 1``.
 
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,

@@ -358,7 +358,8 @@ class DASDrafter:
         trees (a live request's rollout is removed when it stops), except those of the problem's
         last ``keep_visits`` visits, and problems left without
         rollouts or live requests are dropped. New requests and rollouts are tagged with
-        ``policy_version``.
+        ``policy_version``. The ``"mix"`` chooser's draft-outcome counts are multiplied by
+        ``decay ** (policy_version - current)``.
 
         Raises:
             ValueError: not an int, or smaller than the current version.
@@ -366,6 +367,8 @@ class DASDrafter:
         v = _int_arg(policy_version, "policy_version")
         if v < self._version:
             raise ValueError(f"policy_version must not go backwards: got {v}, current is {self._version}")
+        if v > self._version and self.decay < 1.0:
+            self._outcomes *= self.decay ** (v - self._version)  # what older policies did with a draft token weighs less
         self._version = v
         cutoff = v - self.window + 1
         for pid in list(self._problems):

@@ -289,3 +289,24 @@ def test_parallel_batches_match_one_thread(monkeypatch):
         {k: v for k, v in two.stats().items() if k != "parallel_calls"}
     with pytest.raises(ValueError, match="draft_threads must be >= 0, got -1"):
         DASDrafter(draft_threads=-1)
+
+
+def test_outcome_counts_of_older_policies_weigh_less():
+    """A new policy version down-weighs the outcome tables as the trees' rollouts are (``decay``
+    per version), so what an older policy did with a draft token fades as the policy trains."""
+    d = DASDrafter(global_rollouts=0, decay=0.5)
+    d.begin_iteration(1)
+    _start_on_new_problem(d, "p")
+    d.speculate("p", 1)
+    d.add_tokens("p", [50])  # its draft token 8 rejected
+    assert d._outcomes[0, 8].tolist() == [0.0, 1.0]
+    d.begin_iteration(3)
+    assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
+    d.begin_iteration(3)  # the same version: no change
+    assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
+    flat = DASDrafter(global_rollouts=0, decay=1.0)
+    _start_on_new_problem(flat, "p")
+    flat.speculate("p", 1)
+    flat.add_tokens("p", [50])
+    flat.begin_iteration(5)
+    assert flat._outcomes[0, 8].tolist() == [0.0, 1.0]
