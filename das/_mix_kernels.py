@@ -33,6 +33,13 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
   solution, is drafted with less confidence everywhere; replay on three traces: +1.0-1.1%
   acceptance at the same or fewer drafted tokens per accepted token, benchmarks/README.md); the
   counts fade by the drafter's ``decay`` per policy version, as its rollouts do;
+* ``[NIN - 4]`` (:data:`SUPPORT_RATE`): the same for ``t``'s *support profile*, per scope the
+  match-length bucket of the longest context at which ``t`` has a count (or none; one of
+  :data:`SUPPORT_ROWS` rows): how often a token with that profile was accepted. The other inputs
+  enter the logit linearly; this one learns the acceptance of each combination of scopes and
+  depths (e.g. deep in the problem tree but unseen in the global tree) on its own, as a PAQ
+  secondary estimate keyed by context order does (replay: +0.2-0.7% acceptance; at equal drafted
+  tokens per accepted one +0.3-0.4%);
 * ``[NIN - 1]``: agreement, ``2 * (share of all loci whose most frequent next token is t) - 1``.
 
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
@@ -43,7 +50,7 @@ the token with the largest logit is drafted with conditional probability ``sigmo
 draft stops before its path probability (product of those) falls below ``min_prob``. Learning
 (:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose outcome
 is known (accepted tokens, then the first rejected one), conditional on the tokens before it;
-each such outcome also counts in the two outcome tables.
+each such outcome also counts in the three outcome tables.
 """
 
 from __future__ import annotations
@@ -73,12 +80,14 @@ from das._trie_kernels import (
 
 NT = 3  # scopes: problem tree, request tree, global tree
 NB = 6  # match-length buckets: 1, 2, 3-4, 5-8, 9-16, 17+
-NIN = 4 + NT * NB + NT  # mixer inputs (see the module docstring)
+NIN = 5 + NT * NB + NT  # mixer inputs (see the module docstring)
 NSETS = 4  # weight sets, by draft position 0, 1, 2, 3+
 AGREE = NIN - 1
 TOKEN_RATE = NIN - 2
 PAIR_RATE = NIN - 3
+SUPPORT_RATE = NIN - 4
 OUTCOME_SLOTS = 1 << 16  # rows of each outcome table (token ids, (previous, token) pairs hashed into them)
+SUPPORT_ROWS = (NB + 1) ** NT  # support profiles: per scope, none or the bucket of its longest supporting context
 _CLIP = 0.002
 MAX_CAND = 4  # candidate tokens per draft position (the first distinct most-frequent tokens of the loci)
 _LEVELS = 4096  # stretch() from a table over probabilities in steps of 1/4096, as PAQ's mixers do
@@ -191,7 +200,7 @@ def _rate_input(outcomes, table, i):
 
 
 @njit(cache=True)
-def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev):
+def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev, srange):
     """An upper bound of the mixer's logit for every candidate but the first (``cand[1:nc]``),
     from the loci's top counts alone (no child lookups): at a locus whose most frequent token is
     the first candidate, another token has at most the rest of the count, elsewhere at most the
@@ -249,6 +258,9 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
         elif f == PAIR_RATE:
             hi = phi
             lo = plo
+        elif f == SUPPORT_RATE:  # any profile: the table's range
+            hi = srange[0]
+            lo = srange[1]
         elif cnts[f] > 0.0:
             hi = sums[f] / cnts[f]
             lo = _ST0
@@ -261,7 +273,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 
 @njit(cache=True)
 def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
-         only, cand, sums, cnts, outcomes, prev):
+         only, cand, sums, cnts, outcomes, prev, srange, xsup):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
     ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
     draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
@@ -318,8 +330,9 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
         so = min(k, NSETS - 1) * NIN
         bz = -1e300
         bt = -1
+        bsup = 0
         for ci in range(nc):
-            if ci == 1 and _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev) < bz:
+            if ci == 1 and _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev, srange) < bz:
                 break  # no other candidate can beat the first: skip their lookups (the same draft)
             t = cand[ci]
             for f in range(NIN):
@@ -327,9 +340,12 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                 cnts[f] = 0.0
             agree = 0.0
             li = 0
+            sup = 0  # t's support profile (SUPPORT_RATE), one base-(NB + 1) digit per scope
             for s in range(NT):
+                sup *= NB + 1
                 if tix[s] < 0:
                     continue
+                deepest = 0
                 meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
                 shift = meta[M_HASH_SHIFT]
                 first = True
@@ -347,7 +363,12 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                         c = _find_child(nodes, hash_table, shift, lu[s, i], t)
                         cnt = weights[c, 0] if c >= 0 else 0.0
                         st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)] if cnt > 0.0 else _ST0
+                    if deepest == 0 and st > _ST0:  # the loci are longest first
+                        deepest = 1 + _bucket(lL[s, i])
                     first = _add_input(sums, cnts, feat[j], s, st, first)
+                sup += deepest
+            sums[SUPPORT_RATE] = _rate_input(outcomes, 2, sup)
+            cnts[SUPPORT_RATE] = 1.0
             sums[AGREE] = 2.0 * agree / ntop - 1.0
             cnts[AGREE] = 1.0
             ti, pi = _outcome_slots(prev, t)
@@ -365,6 +386,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
             if z > bz:
                 bz = z
                 bt = t
+                bsup = sup
                 for f in range(NIN):
                     xrow[k, f] = sums[f]
         # clipped as the inputs are: the sum of many agreeing inputs is no certainty that a
@@ -377,6 +399,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
         out_prob[k] = P
         prev = bt
         xset[k] = so
+        xsup[k] = bsup
         k += 1
         if k == K:
             break
@@ -415,22 +438,23 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
 
 @njit(cache=True)
 def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev):
+              dtok, dx, dset, dk, outcomes, dprev, dsup):
     """Context-mixing drafts for every row (see the module docstring): request ``handles[r]``
     drafts up to ``budgets[r]`` tokens from its problem tree (prior ``tprior[tree]``), its request
     tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
     Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and ``out_len[r]``, and
     for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
-    ``dset[h, :k]``, ``dk[h] = k``, the context's last token ``dprev[h]``. ``outcomes``:
-    ``float64[2, OUTCOME_SLOTS, 2]`` (accepted, drafted) per token id and per (previous token,
-    token) pair, read only. ``D``: the trees' max_depth. One thread."""
+    ``dset[h, :k]``, support profiles ``dsup[h, :k]``, ``dk[h] = k``, the context's last token
+    ``dprev[h]``. ``outcomes``: ``float64[3, OUTCOME_SLOTS, 2]`` (accepted, drafted) per token id,
+    per (previous token, token) pair and per support profile (its first :data:`SUPPORT_ROWS`
+    rows), read only. ``D``: the trees' max_depth. One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, 0, 1)
+              dtok, dx, dset, dk, outcomes, dprev, dsup, 0, 1)
 
 
 @njit(cache=True, parallel=True)
 def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
-                       out_len, dtok, dx, dset, dk, outcomes, dprev, parts):
+                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
     batches its rows: part ``p`` drafts rows ``p, p + parts, ...`` (interleaved, so that long and
     short drafts spread over the parts). The same drafts. Rows only read the trees and the
@@ -438,12 +462,12 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
     checks)."""
     for p in prange(parts):
         _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-                  dtok, dx, dset, dk, outcomes, dprev, p, parts)
+                  dtok, dx, dset, dk, outcomes, dprev, dsup, p, parts)
 
 
 @njit(cache=True)
 def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, first, stride):
+              dtok, dx, dset, dk, outcomes, dprev, dsup, first, stride):
     """:func:`mix_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
     width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
@@ -461,6 +485,13 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     cand = np.empty(NT * (D + 1), np.int64)
     sums = np.empty(NIN, np.float64)
     cnts = np.empty(NIN, np.float64)
+    srange = np.empty(2, np.float64)  # the support table's range of inputs (bounds any candidate's)
+    srange[0] = -1e300
+    srange[1] = 1e300
+    for i in range(SUPPORT_ROWS):
+        v = _rate_input(outcomes, 2, i)
+        srange[0] = max(srange[0], v)
+        srange[1] = min(srange[1], v)
     for r in range(first, handles.shape[0], stride):
         m = budgets[r]
         h = handles[r]
@@ -488,7 +519,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             prev = _last_token(m0, sl)
             dprev[h] = prev
             k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
-                     totr, totp, feat, only, cand, sums, cnts, outcomes, prev)
+                     totr, totp, feat, only, cand, sums, cnts, outcomes, prev, srange, dsup[h])
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]
         dk[h] = k
@@ -499,15 +530,16 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
 
 
 @njit(cache=True)
-def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, outcomes, dprev):
+def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, outcomes, dprev, dsup):
     """Learn from the outcomes of the rows' pending drafts: row ``r``'s verified tokens
     ``tokens[r, starts[r]:ends[r]]`` against request ``handles[r]``'s last draft ``dtok[h, :dk[h]]``
     (a row appending nothing leaves its draft pending).
     Draft token ``j`` was accepted iff it equals verified token ``j`` (a recovered token never
     equals the draft token it replaces), given tokens ``< j`` were; each known outcome is one
     logistic-regression step (AdaGrad: ``g2`` holds the squared gradients) on its inputs and one
-    count in ``outcomes`` (its token's row and its (previous token, token) row; the first draft
-    token's previous token is ``dprev[h]``). Clears ``dk[h]``. Returns the outcomes learned from."""
+    count in each of the three ``outcomes`` tables (its token's row, its (previous token, token)
+    row, its support profile's row ``dsup[h, j]``; the first draft token's previous token is
+    ``dprev[h]``). Clears ``dk[h]``. Returns the outcomes learned from."""
     n = 0
     for r in range(handles.shape[0]):
         h = handles[r]
@@ -534,6 +566,8 @@ def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, ou
             outcomes[0, ti, 1] += 1.0
             outcomes[1, pi, 0] += y
             outcomes[1, pi, 1] += 1.0
+            outcomes[2, dsup[h, j], 0] += y
+            outcomes[2, dsup[h, j], 1] += 1.0
             prev = dtok[h, j]
             n += 1
             if y == 0.0:

@@ -241,11 +241,12 @@ class DASDrafter:
             each draft token from every context suffix of every scope at once (problem tree,
             request tree, global tree), combined by a logistic mixer whose weights are learned
             online from the accept/reject outcomes of the drafter's own drafts (``add_tokens``
-            after ``speculate``), which also count per draft token and per (previous token,
-            token) pair as two more inputs; path probabilities are the mixer's, calibrated by
-            that learning (:mod:`das._mix_kernels`). On the DSR-sub replay, K = 16: acceptance
-            length 2.46 vs 2.27 for ``"walk"`` and 2.16 for arctic-inference, at fewer drafted
-            tokens per accepted token than either (benchmarks/README.md). Default "mix".
+            after ``speculate``), which also count per draft token, per (previous token, token)
+            pair and per support profile as three more inputs; path probabilities are the
+            mixer's, calibrated by that learning (:mod:`das._mix_kernels`). On the DSR-sub replay,
+            K = 16: acceptance length 2.48 vs 2.27 for ``"walk"`` and 2.16 for arctic-inference,
+            at fewer drafted tokens per accepted token than either (benchmarks/README.md).
+            Default "mix".
         global_rollouts: int >= 0, the global tree (the ``"mix"`` chooser's third scope, as
             arctic-inference's global cache: what the rollouts of every problem share, e.g.
             formatting) holds every live request's rollout as it is verified and the last
@@ -332,8 +333,10 @@ class DASDrafter:
         self._dx = np.zeros((16, 16, mixing.NIN), np.float64)
         self._dset = np.zeros((16, 16), np.int64)
         self._dk = np.zeros(16, np.int64)
-        # outcome tables (accepted, drafted) of draft tokens: [0] per token id, [1] per (previous token, token)
-        self._outcomes = np.zeros((2, mixing.OUTCOME_SLOTS, 2), np.float64)
+        # outcome tables (accepted, drafted) of draft tokens: [0] per token id, [1] per (previous token,
+        # token), [2] per support profile (the first SUPPORT_ROWS rows); each pending draft token's profile
+        self._outcomes = np.zeros((3, mixing.OUTCOME_SLOTS, 2), np.float64)
+        self._dsup = np.zeros((16, 16), np.int64)
         self._dprev = np.zeros(16, np.int64)  # per handle: the context's last token when it drafted
         self.outcomes_learned = 0  # draft tokens whose accept/reject outcome the mixer learned from
         self._global = None
@@ -592,6 +595,7 @@ class DASDrafter:
             self._dtok = np.concatenate([self._dtok, np.zeros_like(self._dtok)])
             self._dx = np.concatenate([self._dx, np.zeros_like(self._dx)])
             self._dset = np.concatenate([self._dset, np.zeros_like(self._dset)])
+            self._dsup = np.concatenate([self._dsup, np.zeros_like(self._dsup)])
             self._dk = np.concatenate([self._dk, np.zeros_like(self._dk)])
             self._dprev = np.concatenate([self._dprev, np.zeros_like(self._dprev)])
         return self._hfree.pop()
@@ -845,7 +849,7 @@ class DASDrafter:
                 self._grow_pending(kmax)
             gti = self._gti  # -1 without a global tree
             args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets, mp,
-                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev)
+                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev, self._dsup)
             parts = self._parts(handles)
             if parts > 1:
                 mixing.mix_batch_parallel(*args, parts)
@@ -880,13 +884,14 @@ class DASDrafter:
         self._dtok = np.zeros((n, k), np.int32)
         self._dx = np.zeros((n, k, mixing.NIN), np.float64)
         self._dset = np.zeros((n, k), np.int64)
+        self._dsup = np.zeros((n, k), np.int64)
         self._dk[:] = 0  # drafts pending now are not learned from (rare: a larger budget than ever before)
 
     def _learn(self, handles: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Teach the mixer the outcomes of the rows' pending drafts (checked rows only)."""
         if self.chooser == "mix":
             self.outcomes_learned += mixing.learn_rows(self._wt, self._g2, self.mix_lr, handles, tokens, starts, ends,
-                                                       self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev)
+                                                       self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev, self._dsup)
 
     @property
     def mixer_weights(self) -> np.ndarray:

@@ -60,8 +60,8 @@ def test_rejected_drafts_lower_the_acceptance_probability_and_accepted_ones_rais
 
 @pytest.mark.parametrize("outcome", ["rejected", "accepted"])
 def test_outcome_tables_carry_what_the_policy_did_with_a_draft_token_to_other_problems(outcome):
-    """Token 8 after 7, drafted on problem after problem: each outcome counts in the token's row
-    and the (7, 8) row of the outcome tables, and a new problem whose history has 8 after 7
+    """Token 8 after 7, drafted on problem after problem: each outcome counts in the token's row,
+    the (7, 8) row and its support profile's row of the outcome tables, and a new problem whose history has 8 after 7
     drafts it with less confidence after rejections (more after acceptances) than the same
     mixer weights without those counts."""
     d = DASDrafter(global_rollouts=0)
@@ -77,7 +77,9 @@ def test_outcome_tables_carry_what_the_policy_did_with_a_draft_token_to_other_pr
             d.add_tokens(pid, [8, 99] if outcome == "accepted" else [50])
         d.stop_request(pid)
     assert drafted >= 3 and d._outcomes[0, 8].tolist() == [accepted, drafted]
-    assert d._outcomes[1].sum(axis=0).tolist() == [accepted, drafted]  # one pair row: (7, 8)
+    for table in (1, 2):  # one pair row, (7, 8); one support profile (8 deep in the problem and request trees)
+        assert d._outcomes[table].sum(axis=0).tolist() == [accepted, drafted]
+        assert np.count_nonzero(d._outcomes[table, :, 1]) == 1
     pid = "new"
     _start_on_new_problem(d, pid, rollouts=1)
     one = np.array([1], np.int64)
@@ -302,6 +304,7 @@ def test_outcome_counts_of_older_policies_weigh_less():
     assert d._outcomes[0, 8].tolist() == [0.0, 1.0]
     d.begin_iteration(3)
     assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
+    assert d._outcomes.sum(axis=1)[:, 1].tolist() == [0.25, 0.25, 0.25]  # every table fades
     d.begin_iteration(3)  # the same version: no change
     assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
     flat = DASDrafter(global_rollouts=0, decay=1.0)
