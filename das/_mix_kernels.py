@@ -186,8 +186,9 @@ def _add_input(sums, cnts, f, s, st, first):
 
 @njit(cache=True, inline="always")
 def _outcome_slots(prev, t):
-    """Rows of draft token ``t`` (after context token ``prev``) in the two outcome tables: the
-    token id, and the pair hashed (Fibonacci-style multipliers; collisions only blur the rate)."""
+    """Rows of draft token ``t`` (after context token ``prev``) in outcome tables 0 and 1: the
+    token id, and the pair hashed (Fibonacci-style multipliers; collisions only blur the rate).
+    Table 2's row, the support profile, is found while scoring ``t`` (:func:`_mix`)."""
     return t & (OUTCOME_SLOTS - 1), ((prev * 0x9E3779B1) ^ (t * 0x85EBCA77)) & (OUTCOME_SLOTS - 1)
 
 
