@@ -45,12 +45,28 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
 scopes in order, longest locus first). The mixer's logit is ``w[set] . x`` with
 one weight set per draft position (0, 1, 2, 3+: later tokens are conditioned on earlier ones);
-the token with the largest logit is drafted with conditional probability ``sigmoid(logit)``
-(at most 0.998, the inputs' clip); the
-draft stops before its path probability (product of those) falls below ``min_prob``. Learning
-(:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose outcome
-is known (accepted tokens, then the first rejected one), conditional on the tokens before it;
-each such outcome also counts in the three outcome tables.
+the token with the largest logit is drafted with conditional probability ``q``, the mixer's
+``sigmoid(logit)`` through a calibration map (:func:`_calibrated`; at most 0.998, the inputs'
+clip); the draft stops before its path probability (product of those) falls below ``min_prob``.
+
+Calibration (PAQ's adaptive probability maps, APM / SSE): two maps, one per weight set and one per
+support profile, each with knots at logits -6, -5.5, ..., 6 whose values are the acceptance rates
+counted there (outcome table 3, starting from the mixer's own probability with
+:data:`APM_PRIOR` pseudo-drafts, fading as the other tables do); ``q`` is their interpolated
+mean, 3 : 1 with ``sigmoid(logit)``. The path probability is a product of ``q``'s, so an
+overconfident mixer drafts too far and an underconfident one stops too soon; the map corrects
+both from the outcomes (replay, with the stop token's outcomes below: +0.9-1.5% acceptance,
+benchmarks/README.md).
+
+Learning (:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose
+outcome is known (accepted tokens, then the first rejected one), conditional on the tokens before
+it; each such outcome also counts in the outcome tables. A draft that stopped by its probability
+keeps the token it would have drafted next (its inputs too): when every draft token is accepted,
+the engine's bonus token is the policy's own sample at that position, so it is an outcome of that
+token as well (accepted iff equal: the chance of either is the policy's probability of the token).
+These outcomes lie below the stopping threshold, where drafted tokens never are, so without them
+the mixer and the maps never learn that tokens it stopped before were likely after all. (For
+the same reason a draft the engine cut short is learned from up to the token after the cut.)
 """
 
 from __future__ import annotations
@@ -89,6 +105,9 @@ SUPPORT_RATE = NIN - 4
 OUTCOME_SLOTS = 1 << 16  # rows of each outcome table (token ids, (previous, token) pairs hashed into them)
 SUPPORT_ROWS = (NB + 1) ** NT  # support profiles: per scope, none or the bucket of its longest supporting context
 _CLIP = 0.002
+APM_KNOTS = 25  # calibration knots per weight set, at logits -6, -5.5, ..., 6 (outcome table 3)
+APM_PRIOR = 4.0  # pseudo-drafts at each knot's starting value, the mixer's own probability there
+APM_SHARE = 0.75  # weight of the calibrated probability (the rest: the mixer's own)
 MAX_CAND = 4  # candidate tokens per draft position (the first distinct most-frequent tokens of the loci)
 _LEVELS = 4096  # stretch() from a table over probabilities in steps of 1/4096, as PAQ's mixers do
 _P = np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)
@@ -200,6 +219,35 @@ def _rate_input(outcomes, table, i):
     return _STRETCH[min(int(p * _LEVELS), _LEVELS - 1)]
 
 
+@njit(cache=True, inline="always")
+def _apm_knot(key, z):
+    """Outcome table 3's row of the knot at or below logit ``z`` for calibration map ``key``,
+    and the interpolation weight of the next knot."""
+    x = (min(max(z, -6.0), 6.0) + 6.0) * 2.0
+    i = min(int(x), APM_KNOTS - 2)
+    return key * APM_KNOTS + i, x - i
+
+
+@njit(cache=True, inline="always")
+def _apm_value(outcomes, row):
+    zk = (row % APM_KNOTS) * 0.5 - 6.0
+    p0 = 1.0 / (1.0 + math.exp(-zk))
+    return (outcomes[3, row, 0] + APM_PRIOR * p0) / (outcomes[3, row, 1] + APM_PRIOR)
+
+
+@njit(cache=True)
+def _calibrated(outcomes, so, sup, z):
+    """The mixer's acceptance probability ``sigmoid(z)`` through an adaptive calibration map
+    (PAQ's APM / secondary symbol estimation): per weight set, knots over the logit whose
+    values are the acceptance rates counted there (outcome table 3), interpolated, and mixed
+    with the mixer's own probability."""
+    row, w = _apm_knot(so // NIN, z)
+    a = (1.0 - w) * _apm_value(outcomes, row) + w * _apm_value(outcomes, row + 1)
+    row, w = _apm_knot(NSETS + sup, z)
+    a = 0.5 * (a + (1.0 - w) * _apm_value(outcomes, row) + w * _apm_value(outcomes, row + 1))
+    return APM_SHARE * a + (1.0 - APM_SHARE) / (1.0 + math.exp(-z))
+
+
 @njit(cache=True)
 def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev, srange):
     """An upper bound of the mixer's logit for every candidate but the first (``cand[1:nc]``),
@@ -274,13 +322,14 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 
 @njit(cache=True)
 def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
-         only, cand, sums, cnts, outcomes, prev, srange, xsup):
+         only, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
     ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
     draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
     and weight set to ``xset[j]``; returns its length."""
     P = 1.0
     k = 0
+    stop[0] = -1
     while k < K:
         # each locus once: its most frequent next token (tops), that token's count, the total + prior
         # (totp), its input (feat), whether t is its only continuation (only), longest of its scope
@@ -392,8 +441,11 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                     xrow[k, f] = sums[f]
         # clipped as the inputs are: the sum of many agreeing inputs is no certainty that a
         # sampling policy repeats a token (the cost budget prices draft tokens by these)
-        q = min(1.0 / (1.0 + math.exp(-bz)), 1.0 - _CLIP)
+        q = min(_calibrated(outcomes, so, bsup, bz), 1.0 - _CLIP)
         if P * q < min_prob:
+            stop[0] = bt  # the token it would have drafted next: learned from if the draft is all accepted
+            xset[k] = so
+            xsup[k] = bsup
             break
         P *= q
         out_tok[k] = bt
@@ -439,23 +491,25 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
 
 @njit(cache=True)
 def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup):
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop):
     """Context-mixing drafts for every row (see the module docstring): request ``handles[r]``
     drafts up to ``budgets[r]`` tokens from its problem tree (prior ``tprior[tree]``), its request
     tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
     Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and ``out_len[r]``, and
     for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
     ``dset[h, :k]``, support profiles ``dsup[h, :k]``, ``dk[h] = k``, the context's last token
-    ``dprev[h]``. ``outcomes``: ``float64[3, OUTCOME_SLOTS, 2]`` (accepted, drafted) per token id,
+    ``dprev[h]``. ``outcomes``: ``float64[4, OUTCOME_SLOTS, 2]`` (accepted, drafted) per token id,
     per (previous token, token) pair and per support profile (its first :data:`SUPPORT_ROWS`
-    rows), read only. ``D``: the trees' max_depth. One thread."""
+    rows; table 3: the calibration maps), read only. ``dstop[h]``: the token the draft stopped
+    before by its probability (its inputs, weight set and profile at ``dx[h, k]``, ``dset[h, k]``,
+    ``dsup[h, k]``), else -1. ``D``: the trees' max_depth. One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, 0, 1)
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, 0, 1)
 
 
 @njit(cache=True, parallel=True)
 def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
-                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, parts):
+                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
     batches its rows: part ``p`` drafts rows ``p, p + parts, ...`` (interleaved, so that long and
     short drafts spread over the parts). The same drafts. Rows only read the trees and the
@@ -463,12 +517,12 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
     checks)."""
     for p in prange(parts):
         _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-                  dtok, dx, dset, dk, outcomes, dprev, dsup, p, parts)
+                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, p, parts)
 
 
 @njit(cache=True)
 def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, first, stride):
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, first, stride):
     """:func:`mix_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
     width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
@@ -486,6 +540,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     cand = np.empty(NT * (D + 1), np.int64)
     sums = np.empty(NIN, np.float64)
     cnts = np.empty(NIN, np.float64)
+    stop = np.empty(1, np.int64)
     srange = np.empty(2, np.float64)  # the support table's range of inputs (bounds any candidate's)
     srange[0] = -1e300
     srange[1] = 1e300
@@ -497,6 +552,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
         m = budgets[r]
         h = handles[r]
         k = 0
+        stop[0] = -1
         pt = ri[h, R_PROBLEM_TREE]
         rt = ri[h, R_REQUEST_TREE]
         if m > 0 and (pt >= 0 or rt >= 0):
@@ -520,10 +576,11 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             prev = _last_token(m0, sl)
             dprev[h] = prev
             k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
-                     totr, totp, feat, only, cand, sums, cnts, outcomes, prev, srange, dsup[h])
+                     totr, totp, feat, only, cand, sums, cnts, outcomes, prev, srange, dsup[h], stop)
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]
         dk[h] = k
+        dstop[h] = stop[0] if k < m else -1
         out_len[r] = k
         for j in range(k, width):
             out_tok[r, j] = -1
@@ -531,27 +588,32 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
 
 
 @njit(cache=True)
-def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, outcomes, dprev, dsup):
+def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop):
     """Learn from the outcomes of the rows' pending drafts: row ``r``'s verified tokens
     ``tokens[r, starts[r]:ends[r]]`` against request ``handles[r]``'s last draft ``dtok[h, :dk[h]]``
     (a row appending nothing leaves its draft pending).
     Draft token ``j`` was accepted iff it equals verified token ``j`` (a recovered token never
     equals the draft token it replaces), given tokens ``< j`` were; each known outcome is one
     logistic-regression step (AdaGrad: ``g2`` holds the squared gradients) on its inputs and one
-    count in each of the three ``outcomes`` tables (its token's row, its (previous token, token)
-    row, its support profile's row ``dsup[h, j]``; the first draft token's previous token is
-    ``dprev[h]``). Clears ``dk[h]``. Returns the outcomes learned from."""
+    count in each ``outcomes`` table (its token's row, its (previous token, token) row, its support
+    profile's row ``dsup[h, j]``, and in table 3 its two calibration maps at its logit, split
+    between the two nearest knots; the first draft token's previous token is ``dprev[h]``). When
+    every draft token was accepted and a token follows, the stop token ``dstop[h]`` (if any) is
+    learned from it the same way. Clears ``dk[h]`` and ``dstop[h]``. Returns the outcomes learned from."""
     n = 0
     for r in range(handles.shape[0]):
         h = handles[r]
         k = dk[h]
         a = starts[r]
-        if k <= 0 or ends[r] <= a:  # no draft pending, or no verification yet (nothing appended)
+        st = dstop[h]
+        if (k <= 0 and st < 0) or ends[r] <= a:  # no draft pending, or no verification yet (nothing appended)
             continue
         dk[h] = 0
+        dstop[h] = -1
         prev = dprev[h]
-        for j in range(min(k, ends[r] - a)):
-            y = 1.0 if dtok[h, j] == tokens[r, a + j] else 0.0
+        for j in range(min(k + (1 if st >= 0 else 0), ends[r] - a)):
+            t = dtok[h, j] if j < k else st
+            y = 1.0 if t == tokens[r, a + j] else 0.0
             so = dset[h, j]
             z = 0.0
             for f in range(NIN):
@@ -562,14 +624,20 @@ def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, ou
                 if gf != 0.0:
                     g2[so + f] += gf * gf
                     wt[so + f] -= lr * gf / math.sqrt(g2[so + f])
-            ti, pi = _outcome_slots(prev, dtok[h, j])
+            ti, pi = _outcome_slots(prev, t)
             outcomes[0, ti, 0] += y
             outcomes[0, ti, 1] += 1.0
             outcomes[1, pi, 0] += y
             outcomes[1, pi, 1] += 1.0
             outcomes[2, dsup[h, j], 0] += y
             outcomes[2, dsup[h, j], 1] += 1.0
-            prev = dtok[h, j]
+            for key in (so // NIN, NSETS + dsup[h, j]):
+                row, w = _apm_knot(key, z)
+                outcomes[3, row, 0] += y * (1.0 - w)
+                outcomes[3, row, 1] += 1.0 - w
+                outcomes[3, row + 1, 0] += y * w
+                outcomes[3, row + 1, 1] += w
+            prev = t
             n += 1
             if y == 0.0:
                 break

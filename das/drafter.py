@@ -334,10 +334,12 @@ class DASDrafter:
         self._dset = np.zeros((16, 16), np.int64)
         self._dk = np.zeros(16, np.int64)
         # outcome tables (accepted, drafted) of draft tokens: [0] per token id, [1] per (previous token,
-        # token), [2] per support profile (the first SUPPORT_ROWS rows); each pending draft token's profile
-        self._outcomes = np.zeros((3, mixing.OUTCOME_SLOTS, 2), np.float64)
+        # token), [2] per support profile (the first SUPPORT_ROWS rows), [3] the calibration maps' knots;
+        # each pending draft token's profile
+        self._outcomes = np.zeros((4, mixing.OUTCOME_SLOTS, 2), np.float64)
         self._dsup = np.zeros((16, 16), np.int64)
         self._dprev = np.zeros(16, np.int64)  # per handle: the context's last token when it drafted
+        self._dstop = np.full(16, -1, np.int64)  # per handle: the token its draft stopped before (-1: none)
         self.outcomes_learned = 0  # draft tokens whose accept/reject outcome the mixer learned from
         self._global = None
         self._out_tokens = 0  # output tokens of the rollouts finished so far (stop_request, add_rollout)
@@ -598,6 +600,7 @@ class DASDrafter:
             self._dsup = np.concatenate([self._dsup, np.zeros_like(self._dsup)])
             self._dk = np.concatenate([self._dk, np.zeros_like(self._dk)])
             self._dprev = np.concatenate([self._dprev, np.zeros_like(self._dprev)])
+            self._dstop = np.concatenate([self._dstop, np.full_like(self._dstop, -1)])
         return self._hfree.pop()
 
     def _prompt_tail(self, prompt: np.ndarray) -> np.ndarray:
@@ -622,7 +625,7 @@ class DASDrafter:
         m = arr.shape[0]
         if m == 0:
             return
-        if self._dk[req.h]:
+        if self._dk[req.h] or self._dstop[req.h] >= 0:
             _check_range(arr, "tokens")
             self._learn(np.array([req.h], np.int64), arr.reshape(1, m), np.zeros(1, np.int64), np.array([m], np.int64))
         prob = req.problem
@@ -672,6 +675,7 @@ class DASDrafter:
             if max_tokens < 0:
                 raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
             self._dk[req.h] = 0  # no draft: nothing to learn from (as speculate_batch with budget 0)
+            self._dstop[req.h] = -1
             return empty_draft()
         if self.chooser == "mix":
             b = self.speculate_batch((req_id,), np.array([max_tokens], np.int64))
@@ -849,7 +853,7 @@ class DASDrafter:
                 self._grow_pending(kmax)
             gti = self._gti  # -1 without a global tree
             args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets, mp,
-                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev, self._dsup)
+                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev, self._dsup, self._dstop)
             parts = self._parts(handles)
             if parts > 1:
                 mixing.mix_batch_parallel(*args, parts)
@@ -886,12 +890,13 @@ class DASDrafter:
         self._dset = np.zeros((n, k), np.int64)
         self._dsup = np.zeros((n, k), np.int64)
         self._dk[:] = 0  # drafts pending now are not learned from (rare: a larger budget than ever before)
+        self._dstop[:] = -1
 
     def _learn(self, handles: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Teach the mixer the outcomes of the rows' pending drafts (checked rows only)."""
         if self.chooser == "mix":
             self.outcomes_learned += mixing.learn_rows(self._wt, self._g2, self.mix_lr, handles, tokens, starts, ends,
-                                                       self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev, self._dsup)
+                                                       self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev, self._dsup, self._dstop)
 
     @property
     def mixer_weights(self) -> np.ndarray:
@@ -965,6 +970,7 @@ class DASDrafter:
             return
         h = self._handles.pop(req_id)
         self._dk[h] = 0
+        self._dstop[h] = -1
         self._out_tokens += int(self._ri[h, kernels.R_NUM_TOKENS]) - req.plen
         self._out_count += 1
         if req.gseq >= 0:  # its live sequence in the global tree is now a finished rollout there

@@ -304,7 +304,8 @@ def test_outcome_counts_of_older_policies_weigh_less():
     assert d._outcomes[0, 8].tolist() == [0.0, 1.0]
     d.begin_iteration(3)
     assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
-    assert d._outcomes.sum(axis=1)[:, 1].tolist() == [0.25, 0.25, 0.25]  # every table fades
+    # every table fades (table 3: the outcome counts once in each of its two calibration maps)
+    assert d._outcomes.sum(axis=1)[:, 1].tolist() == [0.25, 0.25, 0.25, 0.5]
     d.begin_iteration(3)  # the same version: no change
     assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
     flat = DASDrafter(global_rollouts=0, decay=1.0)
@@ -313,3 +314,60 @@ def test_outcome_counts_of_older_policies_weigh_less():
     flat.add_tokens("p", [50])
     flat.begin_iteration(5)
     assert flat._outcomes[0, 8].tolist() == [0.0, 1.0]
+
+
+def _sigmoid(z: float) -> float:
+    return 1.0 / (1.0 + np.exp(-z))
+
+
+def test_the_calibration_map_follows_the_acceptance_counted_at_each_logit():
+    """Outcome table 3 (PAQ's APM): without counts a knot's value is the mixer's own probability
+    there; rejections counted at one knot of one map pull the drafted probability at that logit
+    down, and leave the other knots alone."""
+    out = np.zeros((4, mixing.OUTCOME_SLOTS, 2))
+    for z in (-2.0, 0.0, 1.5):
+        assert mixing._calibrated(out, 0, 5, z) == pytest.approx(_sigmoid(z))
+    row, w = mixing._apm_knot(0, 1.5)  # weight set 0's map, the knot at logit 1.5
+    assert w == 0.0
+    out[3, row, 1] = 100.0  # drafted 100 times there, never accepted
+    assert mixing._calibrated(out, 0, 5, 1.5) < _sigmoid(1.5) - 0.25
+    assert mixing._calibrated(out, 0, 5, 1.75) < _sigmoid(1.75) - 0.1  # halfway to the next knot: half the pull
+    assert mixing._calibrated(out, 0, 5, -3.0) == pytest.approx(_sigmoid(-3.0))
+    assert mixing._calibrated(out, mixing.NIN, 5, 1.5) == pytest.approx(_sigmoid(1.5))  # weight set 1: its own map
+
+
+def _draft_of(d: DASDrafter, pid, length: int):
+    """A draft of exactly ``length`` tokens that stopped by its probability (min_prob raised until it does)."""
+    for min_prob in np.linspace(0.999, 0.01, 200):
+        draft = d.speculate_batch([pid], np.array([8], np.int64), min_prob=float(min_prob))
+        if int(draft.lengths[0]) == length:
+            return draft
+    raise AssertionError(f"no min_prob drafts exactly {length} tokens")
+
+
+@pytest.mark.parametrize("bonus", [9, 50])
+def test_the_token_a_draft_stopped_before_learns_from_the_bonus_token(bonus):
+    """When every draft token is accepted, the bonus token is the policy's own sample where the draft
+    stopped, so it is an outcome of the token the draft stopped before: accepted iff they are equal
+    (the chance of either is the policy's probability of that token)."""
+    d = DASDrafter(global_rollouts=0)
+    _start_on_new_problem(d, "p")  # history 7 8 9 10 11 12, at 7
+    assert _draft_of(d, "p", 1).tokens[0, :1].tolist() == [8]  # stopped before 9
+    d.add_tokens("p", [8, bonus])  # 8 accepted, then the bonus token
+    assert d.outcomes_learned == 2
+    assert d._outcomes[0, 9].tolist() == ([1.0, 1.0] if bonus == 9 else [0.0, 1.0])
+
+
+def test_the_token_after_a_rejection_teaches_nothing_about_the_stop_token():
+    """After a rejected draft token the next token is the engine's recovered token (sampled from what
+    is left of the policy's distribution), not a sample of the policy: no outcome for the stop token."""
+    d = DASDrafter(global_rollouts=0)
+    _start_on_new_problem(d, "p")
+    _draft_of(d, "p", 1)
+    d.add_tokens("p", [50])  # 8 rejected; 50 recovered
+    assert d.outcomes_learned == 1 and d._outcomes[0, 9].tolist() == [0.0, 0.0]
+    empty = DASDrafter(global_rollouts=0)  # a draft that stopped before its first token: the next token is a plain sample
+    _start_on_new_problem(empty, "p")
+    _draft_of(empty, "p", 0)
+    empty.add_tokens("p", [8])
+    assert empty.outcomes_learned == 1 and empty._outcomes[0, 8].tolist() == [1.0, 1.0]
