@@ -853,7 +853,8 @@ class DASDrafter:
                 self._grow_pending(kmax)
             gti = self._gti  # -1 without a global tree
             args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets, mp,
-                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes, self._dprev, self._dsup, self._dstop)
+                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes,
+                    self._dprev, self._dsup, self._dstop)
             parts = self._parts(handles)
             if parts > 1:
                 mixing.mix_batch_parallel(*args, parts)
