@@ -340,7 +340,7 @@ class DASDrafter:
         self._dsup = np.zeros((16, 16), np.int64)
         self._dprev = np.zeros(16, np.int64)  # per handle: the context's last token when it drafted
         self._dstop = np.full(16, -1, np.int64)  # per handle: the token its draft stopped before (-1: none)
-        self.outcomes_learned = 0  # draft tokens whose accept/reject outcome the mixer learned from
+        self.outcomes_learned = 0  # draft tokens (and stop tokens) whose accept/reject outcome the mixer learned from
         self._global = None
         self._out_tokens = 0  # output tokens of the rollouts finished so far (stop_request, add_rollout)
         self._out_count = 0
@@ -1061,7 +1061,7 @@ class DASDrafter:
         """Counters: ``problems``, ``sequences``, ``tokens`` (stored in problem trees, prompt tails
         included), ``nodes``, ``bytes`` (problem trees and the global tree), ``requests`` (live),
         ``request_tree_bytes``, ``global_rollouts`` (rollouts in the global tree), ``global_tree_bytes``,
-        ``mix_outcomes`` (draft-token outcomes the ``"mix"`` chooser's mixer learned from),
+        ``mix_outcomes`` (draft-token and stop-token outcomes the ``"mix"`` chooser's mixer learned from),
         ``parallel_calls`` (:meth:`add_tokens_batch` and :meth:`speculate_batch` calls run on
         several threads)."""
         seqs = toks = nodes = nbytes = 0
