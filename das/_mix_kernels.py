@@ -113,6 +113,7 @@ _LEVELS = 4096  # stretch() from a table over probabilities in steps of 1/4096, 
 _P = np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)
 _STRETCH = np.log(_P / (1.0 - _P))
 _ST0 = _STRETCH[0]  # stretch of a count of 0
+_APM_START = 1.0 / (1.0 + np.exp(-(np.arange(APM_KNOTS) * 0.5 - 6.0)))  # each knot's starting value: sigmoid(its logit)
 
 
 def initial_weights() -> np.ndarray:
@@ -230,9 +231,15 @@ def _apm_knot(key, z):
 
 @njit(cache=True, inline="always")
 def _apm_value(outcomes, row):
-    zk = (row % APM_KNOTS) * 0.5 - 6.0
-    p0 = 1.0 / (1.0 + math.exp(-zk))
-    return (outcomes[3, row, 0] + APM_PRIOR * p0) / (outcomes[3, row, 1] + APM_PRIOR)
+    """Knot ``row``'s value: its counted acceptance rate, from its starting value with APM_PRIOR pseudo-drafts."""
+    return (outcomes[3, row, 0] + APM_PRIOR * _APM_START[row % APM_KNOTS]) / (outcomes[3, row, 1] + APM_PRIOR)
+
+
+@njit(cache=True, inline="always")
+def _apm_read(outcomes, key, z):
+    """Calibration map ``key`` at logit ``z``: its two nearest knots' values, interpolated."""
+    row, w = _apm_knot(key, z)
+    return (1.0 - w) * _apm_value(outcomes, row) + w * _apm_value(outcomes, row + 1)
 
 
 @njit(cache=True)
@@ -241,10 +248,7 @@ def _calibrated(outcomes, so, sup, z):
     (PAQ's APM / secondary symbol estimation): per weight set, knots over the logit whose
     values are the acceptance rates counted there (outcome table 3), interpolated, and mixed
     with the mixer's own probability."""
-    row, w = _apm_knot(so // NIN, z)
-    a = (1.0 - w) * _apm_value(outcomes, row) + w * _apm_value(outcomes, row + 1)
-    row, w = _apm_knot(NSETS + sup, z)
-    a = 0.5 * (a + (1.0 - w) * _apm_value(outcomes, row) + w * _apm_value(outcomes, row + 1))
+    a = 0.5 * (_apm_read(outcomes, so // NIN, z) + _apm_read(outcomes, NSETS + sup, z))
     return APM_SHARE * a + (1.0 - APM_SHARE) / (1.0 + math.exp(-z))
 
 
@@ -326,10 +330,10 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
     ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
     draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
-    and weight set to ``xset[j]``; returns its length."""
+    and weight set to ``xset[j]``; returns its length. A draft that stops by its probability
+    also writes the token it stopped before to ``stop[0]`` (left as the caller set it otherwise)."""
     P = 1.0
     k = 0
-    stop[0] = -1
     while k < K:
         # each locus once: its most frequent next token (tops), that token's count, the total + prior
         # (totp), its input (feat), whether t is its only continuation (only), longest of its scope
@@ -580,7 +584,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]
         dk[h] = k
-        dstop[h] = stop[0] if k < m else -1
+        dstop[h] = stop[0]  # set only when the draft stopped by its probability (so k < m)
         out_len[r] = k
         for j in range(k, width):
             out_tok[r, j] = -1
