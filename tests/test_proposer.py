@@ -351,6 +351,31 @@ def test_a_full_batch_after_small_warm_up_steps_is_measured_not_taken_for_idle_g
     assert prop.regimes.n_plain + prop.regimes.n_spec == seen + 45
 
 
+def test_the_engines_warm_up_steps_never_reach_the_cost_fit():
+    # An engine's first decode steps compile kernels: seconds each (7.2 s and 9.3 s at 2 rows
+    # were seen), then 26 ms. Fitted, they made c_base 0.42 s and drafts look free. They are
+    # held back with the first SCREEN_STEPS steps and dropped against their median.
+    from integrations.vllm_ext.proposer import SCREEN_STEPS
+
+    prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
+    step = _hand_clock(prop)
+    step(0.03, 2, 0)  # starts the clock
+    step(7.2, 2, 0)
+    step(9.3, 2, 0)
+    for _ in range(SCREEN_STEPS - 3):
+        step(0.026, 2, 0)
+    assert prop.regimes.n_plain == 0  # held back until SCREEN_STEPS clean steps are in
+    step(0.026, 2, 0)
+    assert prop.regimes.n_plain == SCREEN_STEPS - 2  # both warm-up steps dropped
+    for i in range(40):  # plain 22 ms + 1.4 ms per row, a draft token 1.2 ms
+        rows = 2 + i % 31
+        drafted = 4 * rows * (i % 2)
+        step(0.022 + 0.0014 * rows + 0.0012 * drafted, rows, drafted)
+    c = prop.regimes.coefficients()
+    assert c["c_base"] == pytest.approx(0.022, rel=0.05)
+    assert c["c_draft"] == pytest.approx(0.0012, rel=0.05)
+
+
 def test_verification_outcomes_fill_the_reliability_bins():
     # b drafts a's continuation (4 tokens); the engine then accepts 2 of them (3 new tokens with
     # the bonus token): the first two draft tokens count as accepted, the next two as rejected.

@@ -86,6 +86,7 @@ DRAFTER_KEYS = frozenset(_DRAFTER_KEYS)
 BUDGET_KEYS = frozenset(_BUDGET_KEYS)
 BUDGETS = budget_names("proposer")  # the budgets that run here (scheduler.budgets)
 PRICED = ("cost", "makespan")  # budgets that price each step's drafts with the two-regime cost model
+SCREEN_STEPS = 8  # the engine's first clean steps, held back and screened against their median (warm-up)
 
 
 @dataclasses.dataclass
@@ -225,6 +226,13 @@ class DASProposer:
         # then drafted 3x as much as it should, at 0.72x no speculation).
         self._interval_ema: float | None = None
         self._token_ema: float | None = None
+        # The engine's first clean steps, held back until SCREEN_STEPS of them are in (None after):
+        # its first decode steps compile and warm kernels and take seconds (seen: 7.2 s and 9.3 s
+        # at 2 rows, then 26 ms). With no EMA yet such a step went into the cost fit, and its
+        # squared error outweighed hundreds of real steps: c_base 0.42 s, c_row and c_draft 0,
+        # so drafts looked free and a 32-row step drafted 80 tokens at 0.95x the plain step's
+        # tokens per second, for a whole iteration.
+        self._held: list[tuple[int, int, int, float, int, int]] | None = []
         self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
         # Per-probability-bin acceptance factors from verification outcomes: the drafter's high
         # path probabilities are nearly right, its low ones 2x too high (replay: 0.94 -> 0.83,
@@ -451,7 +459,24 @@ class DASProposer:
         drafted, self._last_drafted = self._last_drafted, 0
         if last is None or not clean:
             return
-        interval = now - last
+        step = (rows, drafted, accepted, now - last, step_tokens, context_tokens)
+        if self._held is None:
+            self._observe_step(*step)
+            return
+        self._held.append(step)
+        if len(self._held) < SCREEN_STEPS:
+            return
+        # Screened against their medians: the EMAs start there, so the gap rule below drops the
+        # warm-up steps (more than 4x the median) like idle gaps.
+        held, self._held = self._held, None
+        self._interval_ema = float(np.median([h[3] for h in held]))
+        self._token_ema = float(np.median([h[3] / max(h[4], 1) for h in held]))
+        for h in held:
+            self._observe_step(*h)
+
+    def _observe_step(self, rows: int, drafted: int, accepted: int, interval: float, step_tokens: int,
+                      context_tokens: int) -> None:
+        """One clean step into the cost models and the payoff scale, unless it is an idle gap."""
         if self._interval_ema is not None and interval > 4.0 * max(self._interval_ema, self._token_ema * step_tokens):
             return  # an idle gap between generate() calls, not a step
         self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
