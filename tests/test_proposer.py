@@ -4,6 +4,7 @@ The runner stand-in has exactly the attributes the proposer reads from vLLM's GP
 ``input_batch.req_ids``, ``input_batch.num_prompt_tokens`` and ``requests[req_id].sampling_params``.
 """
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -374,6 +375,30 @@ def test_the_engines_warm_up_steps_never_reach_the_cost_fit():
     c = prop.regimes.coefficients()
     assert c["c_base"] == pytest.approx(0.022, rel=0.05)
     assert c["c_draft"] == pytest.approx(0.0012, rel=0.05)
+
+
+def test_the_step_log_has_a_line_per_clean_step_and_says_which_ones_the_fit_used(tmp_path, monkeypatch):
+    from integrations.vllm_ext.proposer import SCREEN_STEPS, STEP_LOG_FIELDS
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("DAS_STEP_LOG", str(log))
+    prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
+    step = _hand_clock(prop)
+    step(0.03, 2, 0)  # starts the clock: not a step
+    step(7.2, 2, 0)  # a warm-up step
+    n = SCREEN_STEPS - 1 + 20
+    for i in range(n):  # 8 rows; every other step verifies 16 draft tokens (1.2 ms each), 8 accepted
+        step(0.022 + 0.0014 * 8 + 0.0012 * 16 * (i % 2), 8, 16 * (i % 2), 8 * (i % 2))
+    prop._step_log.flush()
+    lines = [json.loads(x) for x in log.read_text().splitlines()]
+    assert len(lines) == SCREEN_STEPS + 20
+    assert all(tuple(rec) == STEP_LOG_FIELDS for rec in lines)
+    assert [rec["fitted"] for rec in lines].count(False) == 1
+    assert lines[0]["seconds"] == pytest.approx(7.2) and not lines[0]["fitted"]
+    assert lines[0]["c_base"] is None  # no fit yet
+    last = lines[-1]
+    assert (last["rows"], last["draft_tokens"], last["accepted"]) == (8, 16 * ((n - 1) % 2), 8 * ((n - 1) % 2))
+    assert last["c_draft"] == pytest.approx(0.0012, rel=0.05)
 
 
 def test_verification_outcomes_fill_the_reliability_bins():

@@ -48,12 +48,21 @@ step times (the interval between consecutive ``propose`` calls over pure decode 
 with ``c_base``/``c_tok`` (seconds). Until it is fitted, ``cost`` and ``eq7`` draft as ``fixed``,
 which also spreads the step sizes the fit needs. The length history behind ``class`` and ``eq7``
 is the lengths of the rollouts this proposer saw finish, added at each ``begin_iteration``.
+
+Step log: with the environment variable ``DAS_STEP_LOG`` set to a file path, every clean decode
+step is appended to that file as one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens
+and accepted draft tokens, its seconds, whether the cost fit used it (``false``: an idle gap or a
+warm-up step), and the two-regime fit after it (``null`` before one exists). It is how a fit that
+prices drafts wrong shows itself (benchmarks/README.md, "Zen 4, the engine's warm-up steps kept
+out of the cost fit"). Engines in several processes may share one file: each line has its ``pid``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import os
 import sys
 import time
 import weakref
@@ -87,6 +96,8 @@ BUDGET_KEYS = frozenset(_BUDGET_KEYS)
 BUDGETS = budget_names("proposer")  # the budgets that run here (scheduler.budgets)
 PRICED = ("cost", "makespan")  # budgets that price each step's drafts with the two-regime cost model
 SCREEN_STEPS = 8  # the engine's first clean steps, held back and screened against their median (warm-up)
+STEP_LOG_FIELDS = ("pid", "t", "rows", "draft_tokens", "accepted", "seconds", "step_tokens", "context_tokens", "fitted",
+                   "c_base", "c_row", "c_draft", "c_spec", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
 
 
 @dataclasses.dataclass
@@ -232,7 +243,9 @@ class DASProposer:
         # squared error outweighed hundreds of real steps: c_base 0.42 s, c_row and c_draft 0,
         # so drafts looked free and a 32-row step drafted 80 tokens at 0.95x the plain step's
         # tokens per second, for a whole iteration.
-        self._held: list[tuple[int, int, int, float, int, int]] | None = []
+        self._held: list[tuple[int, int, int, float, int, int, float]] | None = []
+        path = os.environ.get("DAS_STEP_LOG")
+        self._step_log = open(path, "a", buffering=1) if path else None  # line-buffered: one write per step
         self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
         # Per-probability-bin acceptance factors from verification outcomes: the drafter's high
         # path probabilities are nearly right, its low ones 2x too high (replay: 0.94 -> 0.83,
@@ -459,7 +472,7 @@ class DASProposer:
         drafted, self._last_drafted = self._last_drafted, 0
         if last is None or not clean:
             return
-        step = (rows, drafted, accepted, now - last, step_tokens, context_tokens)
+        step = (rows, drafted, accepted, now - last, step_tokens, context_tokens, now)
         if self._held is None:
             self._observe_step(*step)
             return
@@ -475,10 +488,23 @@ class DASProposer:
             self._observe_step(*h)
 
     def _observe_step(self, rows: int, drafted: int, accepted: int, interval: float, step_tokens: int,
-                      context_tokens: int) -> None:
-        """One clean step into the cost models and the payoff scale, unless it is an idle gap."""
+                      context_tokens: int, now: float) -> None:
+        """One clean step into the cost models and the payoff scale, unless it is an idle gap; one line
+        of the step log (``DAS_STEP_LOG``) either way."""
+        fitted = self._fit_step(rows, drafted, accepted, interval, step_tokens, context_tokens)
+        if self._step_log is not None:
+            c = self.regimes.coefficients() if self.regimes.ready else None
+            rec = dict(zip(STEP_LOG_FIELDS, (os.getpid(), now, rows, drafted, accepted, interval, step_tokens, context_tokens,
+                                             fitted)))
+            rec.update({k: None if c is None else c[k] for k in ("c_base", "c_row", "c_draft", "c_spec")})
+            rec["payoff_scale"] = self._payoff_scale
+            self._step_log.write(json.dumps(rec) + "\n")
+
+    def _fit_step(self, rows: int, drafted: int, accepted: int, interval: float, step_tokens: int,
+                  context_tokens: int) -> bool:
+        """Feed one clean step to the cost models and the payoff scale; False for an idle gap (left out)."""
         if self._interval_ema is not None and interval > 4.0 * max(self._interval_ema, self._token_ema * step_tokens):
-            return  # an idle gap between generate() calls, not a step
+            return False  # an idle gap between generate() calls, not a step
         self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
         per_token = interval / max(step_tokens, 1)
         self._token_ema = per_token if self._token_ema is None else 0.9 * self._token_ema + 0.1 * per_token
@@ -489,6 +515,7 @@ class DASProposer:
             # tokens per second of this drafting step against the fitted plain step's
             payoff = (rows + accepted) / interval * max(self.regimes.plain(rows), 1e-9) / rows
             self._payoff_scale = float(np.clip(self._payoff_scale * payoff**0.1, 0.25, 1.0))
+        return True
 
     def _calibration(self) -> float:
         """Accepted / predicted draft tokens over recent steps, with a prior of 4 tokens at 1.0.
