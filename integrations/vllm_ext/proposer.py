@@ -51,7 +51,8 @@ is the lengths of the rollouts this proposer saw finish, added at each ``begin_i
 
 Step log: with the environment variable ``DAS_STEP_LOG`` set to a file path, every clean decode
 step is appended to that file as one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens
-and accepted draft tokens, its seconds, whether the cost fit used it (``false``: an idle gap or a
+and accepted draft tokens, the accepted draft tokens its drafts' calibrated probabilities
+predicted, its seconds, whether the cost fit used it (``false``: an idle gap or a
 warm-up step), and the two-regime fit after it (``null`` before one exists). It is how a fit that
 prices drafts wrong shows itself (benchmarks/README.md, "Zen 4, the engine's warm-up steps kept
 out of the cost fit"). Engines in several processes may share one file: each line has its ``pid``.
@@ -96,8 +97,8 @@ BUDGET_KEYS = frozenset(_BUDGET_KEYS)
 BUDGETS = budget_names("proposer")  # the budgets that run here (scheduler.budgets)
 PRICED = ("cost", "makespan")  # budgets that price each step's drafts with the two-regime cost model
 SCREEN_STEPS = 8  # the engine's first clean steps, held back and screened against their median (warm-up)
-STEP_LOG_FIELDS = ("pid", "t", "rows", "draft_tokens", "accepted", "seconds", "step_tokens", "context_tokens", "fitted",
-                   "c_base", "c_row", "c_draft", "c_spec", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
+STEP_LOG_FIELDS = ("pid", "t", "rows", "draft_tokens", "accepted", "predicted", "seconds", "step_tokens", "context_tokens",
+                   "fitted", "c_base", "c_row", "c_draft", "c_spec", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
 
 
 @dataclasses.dataclass
@@ -243,7 +244,7 @@ class DASProposer:
         # squared error outweighed hundreds of real steps: c_base 0.42 s, c_row and c_draft 0,
         # so drafts looked free and a 32-row step drafted 80 tokens at 0.95x the plain step's
         # tokens per second, for a whole iteration.
-        self._held: list[tuple[int, int, int, float, int, int, float]] | None = []
+        self._held: list[tuple[int, int, int, float, int, int, float, float]] | None = []
         path = os.environ.get("DAS_STEP_LOG")
         self._step_log = open(path, "a", buffering=1) if path else None  # line-buffered: one write per step
         self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
@@ -309,6 +310,7 @@ class DASProposer:
         clean = rows > 0  # every row decoded last step too: the step time is a fit sample
         step_tokens = context_tokens = 0  # tokens in the forward pass that just ran, KV tokens it read
         step_accepted = 0  # draft tokens the forward pass that just ran accepted
+        step_predicted = 0.0  # what the calibrated probabilities of its drafts predicted for that (step log)
         grown_rows, grown_from, grown_to = [], [], []  # rows whose verified tokens go to the drafter
         verified_probs, verified_accepted = [], []  # last step's drafts and how many of each were accepted
         for row, sampled in enumerate(sampled_token_ids):
@@ -332,6 +334,7 @@ class DASProposer:
                     self._accepted = 0.99 * self._accepted + (gained - 1)
                     self._predicted = 0.99 * self._predicted + req.last_psum
                     step_accepted += gained - 1
+                    step_predicted += req.last_psum
                 grown_rows.append(row)
                 grown_from.append(req.seen)
                 grown_to.append(num_tokens)
@@ -354,7 +357,7 @@ class DASProposer:
             lens = np.fromiter((len(p) for p in verified_probs), np.int64, len(verified_probs))
             position = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
             self.acceptance.observe(np.concatenate(verified_probs), position < np.repeat(np.array(verified_accepted), lens))
-        self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted)
+        self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted, step_predicted)
         budgets = np.minimum(budgets, self._request_caps(reqs))
         if self.budget == "none":  # the speculative path and the inserts with no drafts: their cost alone
             budgets[:] = 0
@@ -466,13 +469,14 @@ class DASProposer:
         caps[live] = np.minimum(caps[live], sched_caps)
         return caps
 
-    def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool, rows: int, accepted: int = 0) -> None:
+    def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool, rows: int, accepted: int = 0,
+                     predicted: float = 0.0) -> None:
         """Feed the interval since the previous step into the cost models, unless it is not a pure decode step."""
         last, self._last_start = self._last_start, now
         drafted, self._last_drafted = self._last_drafted, 0
         if last is None or not clean:
             return
-        step = (rows, drafted, accepted, now - last, step_tokens, context_tokens, now)
+        step = (rows, drafted, accepted, now - last, step_tokens, context_tokens, now, predicted)
         if self._held is None:
             self._observe_step(*step)
             return
@@ -488,14 +492,14 @@ class DASProposer:
             self._observe_step(*h)
 
     def _observe_step(self, rows: int, drafted: int, accepted: int, interval: float, step_tokens: int,
-                      context_tokens: int, now: float) -> None:
+                      context_tokens: int, now: float, predicted: float) -> None:
         """One clean step into the cost models and the payoff scale, unless it is an idle gap; one line
         of the step log (``DAS_STEP_LOG``) either way."""
         fitted = self._fit_step(rows, drafted, accepted, interval, step_tokens, context_tokens)
         if self._step_log is not None:
             c = self.regimes.coefficients() if self.regimes.ready else None
-            rec = dict(zip(STEP_LOG_FIELDS, (os.getpid(), now, rows, drafted, accepted, interval, step_tokens, context_tokens,
-                                             fitted)))
+            rec = dict(zip(STEP_LOG_FIELDS, (os.getpid(), now, rows, drafted, accepted, predicted, interval, step_tokens,
+                                             context_tokens, fitted)))
             rec.update({k: None if c is None else c[k] for k in ("c_base", "c_row", "c_draft", "c_spec")})
             rec["payoff_scale"] = self._payoff_scale
             self._step_log.write(json.dumps(rec) + "\n")
