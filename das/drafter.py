@@ -674,8 +674,7 @@ class DASDrafter:
         if max_tokens <= 0:
             if max_tokens < 0:
                 raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-            self._dk[req.h] = 0  # no draft: nothing to learn from (as speculate_batch with budget 0)
-            self._dstop[req.h] = -1
+            self._drop_pending(req.h)  # no draft: nothing to learn from (as speculate_batch with budget 0)
             return empty_draft()
         if self.chooser == "mix":
             b = self.speculate_batch((req_id,), np.array([max_tokens], np.int64))
@@ -890,8 +889,12 @@ class DASDrafter:
         self._dx = np.zeros((n, k, mixing.NIN), np.float64)
         self._dset = np.zeros((n, k), np.int64)
         self._dsup = np.zeros((n, k), np.int64)
-        self._dk[:] = 0  # drafts pending now are not learned from (rare: a larger budget than ever before)
-        self._dstop[:] = -1
+        self._drop_pending(slice(None))  # drafts pending now are not learned from (rare: a larger budget than ever before)
+
+    def _drop_pending(self, h: int | slice) -> None:
+        """Forget handle ``h``'s pending draft and stop token: nothing of them will be learned."""
+        self._dk[h] = 0
+        self._dstop[h] = -1
 
     def _learn(self, handles: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Teach the mixer the outcomes of the rows' pending drafts (checked rows only)."""
@@ -970,8 +973,7 @@ class DASDrafter:
         if req is None:
             return
         h = self._handles.pop(req_id)
-        self._dk[h] = 0
-        self._dstop[h] = -1
+        self._drop_pending(h)
         self._out_tokens += int(self._ri[h, kernels.R_NUM_TOKENS]) - req.plen
         self._out_count += 1
         if req.gseq >= 0:  # its live sequence in the global tree is now a finished rollout there

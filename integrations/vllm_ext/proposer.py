@@ -67,7 +67,7 @@ import os
 import sys
 import time
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -99,6 +99,19 @@ PRICED = ("cost", "makespan")  # budgets that price each step's drafts with the 
 SCREEN_STEPS = 8  # the engine's first clean steps, held back and screened against their median (warm-up)
 STEP_LOG_FIELDS = ("pid", "t", "rows", "draft_tokens", "accepted", "predicted", "seconds", "step_tokens", "context_tokens",
                    "fitted", "c_base", "c_row", "c_draft", "c_spec", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
+
+
+class _Step(NamedTuple):
+    """One clean decode step, as the cost models and the step log see it."""
+
+    t: float  # perf_counter seconds at its end (the next propose call)
+    rows: int
+    draft_tokens: int  # draft tokens it verified
+    accepted: int  # of those, accepted
+    predicted: float  # accepted draft tokens its drafts' calibrated probabilities predicted
+    seconds: float
+    step_tokens: int  # tokens in its forward pass
+    context_tokens: int  # KV tokens it read
 
 
 @dataclasses.dataclass
@@ -244,7 +257,7 @@ class DASProposer:
         # squared error outweighed hundreds of real steps: c_base 0.42 s, c_row and c_draft 0,
         # so drafts looked free and a 32-row step drafted 80 tokens at 0.95x the plain step's
         # tokens per second, for a whole iteration.
-        self._held: list[tuple[int, int, int, float, int, int, float, float]] | None = []
+        self._held: list[_Step] | None = []
         path = os.environ.get("DAS_STEP_LOG")
         self._step_log = open(path, "a", buffering=1) if path else None  # line-buffered: one write per step
         self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
@@ -476,9 +489,9 @@ class DASProposer:
         drafted, self._last_drafted = self._last_drafted, 0
         if last is None or not clean:
             return
-        step = (rows, drafted, accepted, now - last, step_tokens, context_tokens, now, predicted)
+        step = _Step(now, rows, drafted, accepted, predicted, now - last, step_tokens, context_tokens)
         if self._held is None:
-            self._observe_step(*step)
+            self._observe_step(step)
             return
         self._held.append(step)
         if len(self._held) < SCREEN_STEPS:
@@ -486,38 +499,36 @@ class DASProposer:
         # Screened against their medians: the EMAs start there, so the gap rule below drops the
         # warm-up steps (more than 4x the median) like idle gaps.
         held, self._held = self._held, None
-        self._interval_ema = float(np.median([h[3] for h in held]))
-        self._token_ema = float(np.median([h[3] / max(h[4], 1) for h in held]))
+        self._interval_ema = float(np.median([h.seconds for h in held]))
+        self._token_ema = float(np.median([h.seconds / max(h.step_tokens, 1) for h in held]))
         for h in held:
-            self._observe_step(*h)
+            self._observe_step(h)
 
-    def _observe_step(self, rows: int, drafted: int, accepted: int, interval: float, step_tokens: int,
-                      context_tokens: int, now: float, predicted: float) -> None:
+    def _observe_step(self, step: _Step) -> None:
         """One clean step into the cost models and the payoff scale, unless it is an idle gap; one line
         of the step log (``DAS_STEP_LOG``) either way."""
-        fitted = self._fit_step(rows, drafted, accepted, interval, step_tokens, context_tokens)
+        fitted = self._fit_step(step)
         if self._step_log is not None:
             c = self.regimes.coefficients() if self.regimes.ready else None
-            rec = dict(zip(STEP_LOG_FIELDS, (os.getpid(), now, rows, drafted, accepted, predicted, interval, step_tokens,
-                                             context_tokens, fitted)))
+            rec = {"pid": os.getpid(), **step._asdict(), "fitted": fitted}
             rec.update({k: None if c is None else c[k] for k in ("c_base", "c_row", "c_draft", "c_spec")})
             rec["payoff_scale"] = self._payoff_scale
-            self._step_log.write(json.dumps(rec) + "\n")
+            self._step_log.write(json.dumps({k: rec[k] for k in STEP_LOG_FIELDS}) + "\n")
 
-    def _fit_step(self, rows: int, drafted: int, accepted: int, interval: float, step_tokens: int,
-                  context_tokens: int) -> bool:
-        """Feed one clean step to the cost models and the payoff scale; False for an idle gap (left out)."""
-        if self._interval_ema is not None and interval > 4.0 * max(self._interval_ema, self._token_ema * step_tokens):
+    def _fit_step(self, step: _Step) -> bool:
+        """Feed one clean step to the cost models and the payoff scale; False for an idle gap (left out).
+        Only called once the held steps set the EMAs."""
+        rows, drafted, interval, tokens = step.rows, step.draft_tokens, step.seconds, step.step_tokens
+        if interval > 4.0 * max(self._interval_ema, self._token_ema * tokens):
             return False  # an idle gap between generate() calls, not a step
-        self._interval_ema = interval if self._interval_ema is None else 0.9 * self._interval_ema + 0.1 * interval
-        per_token = interval / max(step_tokens, 1)
-        self._token_ema = per_token if self._token_ema is None else 0.9 * self._token_ema + 0.1 * per_token
-        self.cost.observe(step_tokens, interval, context_tokens)
+        self._interval_ema = 0.9 * self._interval_ema + 0.1 * interval
+        self._token_ema = 0.9 * self._token_ema + 0.1 * interval / max(tokens, 1)
+        self.cost.observe(tokens, interval, step.context_tokens)
         self.regimes.observe(rows, drafted, interval)
         self._since_plain = self._since_plain + 1 if drafted else 0
         if drafted and self.budget in PRICED and self._given_costs is None and self.regimes.ready:
             # tokens per second of this drafting step against the fitted plain step's
-            payoff = (rows + accepted) / interval * max(self.regimes.plain(rows), 1e-9) / rows
+            payoff = (rows + step.accepted) / interval * max(self.regimes.plain(rows), 1e-9) / rows
             self._payoff_scale = float(np.clip(self._payoff_scale * payoff**0.1, 0.25, 1.0))
         return True
 
