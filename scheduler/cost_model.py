@@ -26,6 +26,9 @@ _TOK_SCALE = 1e3
 _CTX_SCALE = 1e6
 
 
+_SCALARS = (int, float, np.integer, np.floating)  # one step given as numbers: the fast path of observe
+
+
 class CostModel:
     """Online fit of ``t_step = c_base + c_tok * n_tokens [+ c_ctx * context_tokens]`` (Eq. 1).
 
@@ -105,6 +108,9 @@ class CostModel:
         Raises:
             ValueError: shapes differ, or a value is negative / not finite.
         """
+        if isinstance(n_tokens, _SCALARS) and isinstance(seconds, _SCALARS) and isinstance(context_tokens, _SCALARS + (type(None),)):
+            self._observe_one(float(n_tokens), float(seconds), None if context_tokens is None else float(context_tokens))
+            return
         n = np.atleast_1d(np.asarray(n_tokens, np.float64))
         t = np.atleast_1d(np.asarray(seconds, np.float64))
         ctx = None if context_tokens is None else np.atleast_1d(np.asarray(context_tokens, np.float64))
@@ -138,6 +144,30 @@ class CostModel:
         self.n_samples += m
         self._tok_min = min(self._tok_min, float(n.min()))
         self._tok_max = max(self._tok_max, float(n.max()))
+        self._dirty = True
+
+    def _observe_one(self, n: float, t: float, ctx: float | None) -> None:
+        """:meth:`observe` for one step given as numbers (what the proposer does every engine step):
+        the same sums without building arrays (~10x cheaper)."""
+        if not (math.isfinite(n) and n >= 0):
+            raise ValueError(f"observe: n_tokens must be finite and >= 0, got {[n]}")
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"observe: seconds must be finite and > 0, got {[t]}")
+        if ctx is not None and not (math.isfinite(ctx) and ctx >= 0):
+            raise ValueError("observe: context_tokens must be finite and >= 0")
+        x = [1.0, n / _TOK_SCALE] + ([(ctx or 0.0) / _CTX_SCALE] if self.use_context else [])
+        if self.forgetting < 1.0:
+            f = self.forgetting
+            self._xtx *= f
+            self._xty *= f
+            self._yty *= f
+        xv = np.array(x)
+        self._xtx += np.outer(xv, xv)
+        self._xty += xv * t
+        self._yty += t * t
+        self.n_samples += 1
+        self._tok_min = min(self._tok_min, n)
+        self._tok_max = max(self._tok_max, n)
         self._dirty = True
 
     @property

@@ -56,6 +56,35 @@ def test_first_token_follows_target_and_second_given_accept():
     assert torch.all(out[~accepted, 1] == lazy.PLACEHOLDER_TOKEN_ID)
 
 
+def test_recovered_tokens_follow_the_residual_over_a_vocabulary_of_many_blocks():
+    # 1,000 entries: four blocks of the two-level inverse CDF, the last one partial. The mass sits
+    # in every block, the rejected draft is the likeliest token, and rows of different draft
+    # counts share the batch: given a rejection at the first position, the token emitted there is
+    # distributed as p without the draft, renormalised.
+    torch.manual_seed(4)
+    vocab, rows = 1000, 30000
+    logits = torch.full((vocab,), -9.0)  # 0.4% of the mass spread thin: the chi-square counts the hot tokens
+    hot = torch.tensor([3, 255, 256, 511, 640, 767, 768, 999])
+    logits[hot] = torch.tensor([1.0, 0.5, 2.0, 1.5, 0.0, 1.2, 0.8, 1.7])
+    draft = 256
+    p = logits.softmax(-1)
+    counts = [1 + i % 3 for i in range(rows)]
+    n = sum(counts)
+    drafts = torch.full((n,), draft, dtype=torch.int32)
+    cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+    out = lazy.rejection_sample(drafts, counts, 3, cu, None, logits.expand(n, vocab).clone(),
+                                torch.zeros(rows, 1, dtype=torch.int64), _meta(rows))
+    first = out[:, 0].long()
+    rejected = first != draft
+    assert abs(rejected.float().mean().item() - (1 - p[draft].item())) < 0.01
+    residual = p.clone()
+    residual[draft] = 0.0
+    residual /= residual.sum()
+    stat, dof = _chi2(torch.bincount(first[rejected], minlength=vocab).float(), residual)
+    assert dof == 6 and stat < 30.0, (stat, dof)  # chi2(6) 99.99th percentile ~27.9
+    assert not torch.any(first[rejected] == draft)
+
+
 def test_a_biased_sampler_would_fail_the_same_check():
     # The check above can fail: tokens drawn at the wrong temperature are caught.
     torch.manual_seed(1)

@@ -87,7 +87,8 @@ def _exhaustive_nnls(xtx, xty, yty):
 
 
 def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
-    # Steps whose true costs are non-negative (shortcut taken) and ones with a negative slope in the
+    # The last fit's support, tried first and kept when it meets the KKT conditions, and the
+    # unconstrained solve are shortcuts. Steps whose true costs are non-negative (shortcut taken) and ones with a negative slope in the
     # data (a subset must win): the fit is the exhaustive search's either way.
     from scheduler.regime_cost import _best_subset_fit
 
@@ -104,9 +105,37 @@ def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
             xty += x * t
             yty += t * t
         xtx += 2.0 * np.diag([0.0, 0.0, 0.0, 1.0])
-        want, got = _exhaustive_nnls(xtx, xty, yty), _best_subset_fit(xtx, xty, yty)
-        assert (want is None) == (got is None)
-        if want is not None:
-            np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
+        want = _exhaustive_nnls(xtx, xty, yty)
+        support = 15 if want is None else sum(1 << i for i in range(4) if want[i] > 0)
+        # No hint, the answer's own support (the KKT shortcut) and a wrong one: the same fit.
+        for hint in (15, support, int(rng.integers(0, 16))):
+            got = _best_subset_fit(xtx, xty, yty, hint)
+            assert (want is None) == (got is None)
+            if want is not None:
+                np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)
         shortcuts += bool(np.all(np.linalg.solve(xtx, xty) >= 0)) if np.linalg.cond(xtx) < 1e12 else 0
     assert 20 < shortcuts < 180  # both paths were exercised
+
+
+def test_refit_every_n_observations_matches_a_fit_every_step_at_each_refit():
+    # Fitted first as soon as it can be, then every 4th observation; in between the last fit holds.
+    rng = np.random.default_rng(5)
+    every, lazy = TwoRegimeCost(min_plain=2, min_spec=2), TwoRegimeCost(min_plain=2, min_spec=2, refit_every=4)
+    since, held, refits = None, None, 0
+    for i in range(40):
+        rows, drafts = int(rng.integers(1, 32)), int(rng.integers(0, 20)) * (i % 2)
+        t = 0.02 + 0.0013 * rows + 0.001 * drafts + 0.003 * (drafts > 0) + float(rng.normal()) * 1e-4
+        every.observe(rows, drafts, t)
+        lazy.observe(rows, drafts, t)
+        since = None if since is None else since + 1
+        assert lazy.ready == every.ready
+        if not every.ready:
+            continue
+        if since is None or since == 4:  # the first fit, then every 4th observation
+            since, held, refits = 0, every.coefficients(), refits + 1
+        assert lazy.coefficients() == pytest.approx(held, rel=1e-12)
+        if since:
+            assert lazy.coefficients() != pytest.approx(every.coefficients(), rel=1e-9)  # stale in between
+    assert refits >= 8
+    with pytest.raises(ValueError, match="refit_every"):
+        TwoRegimeCost(refit_every=0)

@@ -80,3 +80,26 @@ def test_bad_input_raises_value_error():
         cm.observe([-1], [0.1])
     with pytest.raises(ValueError, match="shapes"):
         cm.observe([1, 2], [0.1])
+
+
+@pytest.mark.parametrize("use_context", [False, True])
+def test_one_step_as_numbers_adds_the_same_sums_as_an_array(use_context):
+    # The proposer observes one step at a time as plain numbers (the fast path); the fit must be
+    # the one the array path gives for the same steps, forgetting included.
+    rng = np.random.default_rng(3)
+    one, arrays = CostModel(use_context=use_context, forgetting=0.99), CostModel(use_context=use_context, forgetting=0.99)
+    for _ in range(300):
+        n, ctx = int(rng.integers(1, 64)), int(rng.integers(0, 50_000))
+        t = C_BASE + C_TOK * n + C_CTX * ctx + float(rng.normal()) * 1e-4
+        one.observe(n, abs(t), np.int64(ctx))
+        arrays.observe(np.array([n]), np.array([abs(t)]), np.array([ctx]))
+    np.testing.assert_allclose(one._xtx, arrays._xtx, rtol=1e-12)
+    np.testing.assert_allclose(one._xty, arrays._xty, rtol=1e-12)
+    assert one.n_samples == arrays.n_samples == 300
+    assert one.coefficients() == pytest.approx(arrays.coefficients(), rel=1e-9)
+    with pytest.raises(ValueError, match="seconds"):
+        one.observe(10, float("nan"))
+    with pytest.raises(ValueError, match="n_tokens"):
+        one.observe(-1, 0.1)
+    with pytest.raises(ValueError, match="context_tokens"):
+        one.observe(1, 0.1, -5)

@@ -224,7 +224,7 @@ class DASProposer:
         prior = (float(budget_cfg["c_base"]), float(budget_cfg["c_tok"])) if "c_base" in budget_cfg else None
         # A given (c_base, c_tok) is used as is: a prior no measured step outweighs.
         self.cost = CostModel(forgetting=0.995, prior=prior, prior_weight=1e12 if prior else 8.0)
-        self.regimes = TwoRegimeCost()  # plain vs speculative step times, for the ``cost`` budget
+        self.regimes = TwoRegimeCost(refit_every=4)  # plain vs speculative step times, for the ``cost`` budget
         self._given_costs = prior  # the user's (c_base, c_tok): used as is instead of the fit
         self._exploring = False  # this step drafts only to re-measure acceptance (see _cost_allows_drafts)
         self._skipped_run = 0  # steps ruled out since the last one that drafted
