@@ -157,3 +157,87 @@ def test_installed_into_vllm_on_the_cpu_build():
     from vllm.v1.sample import rejection_sampler
 
     assert rejection_sampler.rejection_sample is lazy.rejection_sample
+
+
+def _vllm_cpu_fixes():
+    pytest.importorskip("vllm")
+    from integrations.vllm_ext import fixes as vllm_fixes
+    from integrations.vllm_ext.cpu_runtime import is_cpu_build
+
+    if not is_cpu_build() or vllm_fixes.vllm_version() not in vllm_fixes.TESTED_VLLM_VERSIONS:
+        pytest.skip("fixes apply to the tested CPU build only")
+    assert vllm_fixes.apply()
+
+
+def test_bonus_rows_only_gives_the_kept_rows_the_tokens_of_the_full_call():
+    _vllm_cpu_fixes()
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    wrapped = TopKTopPSampler.forward_cpu
+    assert getattr(wrapped, "__das_fix__", False)
+    sampler = types.SimpleNamespace(use_fp64_gumbel=False, logprobs_mode="raw_logprobs")
+    logits = torch.randn(6, 500) * 3
+    kept = torch.tensor([True, False, True, False, False, True])
+    torch.manual_seed(11)
+    full, _ = wrapped.__wrapped__(sampler, logits.clone(), {}, None, None)
+    torch.manual_seed(11)
+    lazy._bonus_rows = kept
+    try:
+        some, _ = wrapped(sampler, logits.clone(), {}, None, None)
+    finally:
+        lazy._bonus_rows = None
+    assert torch.equal(some[kept].long(), full[kept].long())
+    assert torch.all(some[~kept] == 0)
+    torch.manual_seed(12)
+    a, _ = wrapped(sampler, logits.clone(), {}, None, None)  # outside a bonus call: vLLM's sampler as is
+    torch.manual_seed(12)
+    b, _ = wrapped.__wrapped__(sampler, logits.clone(), {}, None, None)
+    assert torch.equal(a, b)
+
+
+def test_rejection_sampler_forward_samples_bonus_tokens_from_the_bonus_distribution():
+    # Through vLLM's own RejectionSampler and Sampler with the fix installed: rows drafting
+    # [6, 3] and rows without drafts. Position 0 follows p0 (or, for rows without drafts, the
+    # bonus distribution pb); given draft 6 accepted position 1 follows p1; given both accepted
+    # the bonus token follows pb: the bonus is sampled after verification, only where used.
+    _vllm_cpu_fixes()
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    assert getattr(RejectionSampler.forward, "__das_fix__", False)
+    torch.manual_seed(5)
+    vocab, pairs = 8, 12000
+    p0_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
+    p1_logits = torch.tensor([0.0, 2.5, -1.0, 1.0, 0.0, 0.0, -2.0, 0.5])
+    pb_logits = torch.tensor([-1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 0.0, 1.5])
+    drafts = [[6, 3], []] * pairs
+    meta = SpecDecodeMetadata.make_dummy(drafts, device="cpu")
+    batch = len(drafts)
+    per_row = torch.tensor([len(d) + 1 for d in drafts])
+    first = torch.cumsum(per_row, 0) - per_row  # each row's logits: its draft positions, then its bonus
+    meta.target_logits_indices = torch.cat([first[i] + torch.arange(len(d)) for i, d in enumerate(drafts)]).to(torch.int32)
+    meta.bonus_logits_indices = (first + per_row - 1).to(torch.int32)
+    logits = torch.empty(int(per_row.sum()), vocab)
+    logits[meta.target_logits_indices.long()] = torch.stack([p0_logits, p1_logits] * pairs)
+    logits[meta.bonus_logits_indices.long()] = pb_logits
+    sampling = SamplingMetadata(
+        temperature=torch.ones(batch), all_greedy=False, all_random=True, top_p=None, top_k=None, generators={},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors())
+    out = RejectionSampler(Sampler()).forward(meta, None, logits, sampling).sampled_token_ids
+    assert out.shape == (batch, 3)
+    drafting, plain = out[0::2], out[1::2]
+    p0, p1, pb = p0_logits.softmax(-1), p1_logits.softmax(-1), pb_logits.softmax(-1)
+    checks = [(drafting[:, 0], p0), (drafting[drafting[:, 0] == 6, 1], p1), (plain[:, 0], pb)]
+    both = (drafting[:, 0] == 6) & (drafting[:, 1] == 3)
+    checks.append((drafting[both, 2], pb))
+    for tokens, probs in checks:
+        stat, dof = _chi2(torch.bincount(tokens.long(), minlength=vocab).float(), probs)
+        assert dof == 7 and stat < 30.0, (stat, dof)  # chi2(7) 99.99th percentile ~29.9
+    assert torch.all(drafting[~both, 2] == lazy.PLACEHOLDER_TOKEN_ID)
+    assert torch.all(plain[:, 1:] == lazy.PLACEHOLDER_TOKEN_ID)
