@@ -126,8 +126,8 @@ def _verify(
 
     # One softmax over every drafted position, also those after a row's first rejection: a
     # column-by-column walk over the rows still accepting paid a dozen small ops per column, more
-    # than the positions it skipped (rejection_sample: 0.52 -> 0.42 ms at 1 row x 8 drafts,
-    # 4.2 -> 0.92 ms at 32 rows x 1, benchmarks/README.md).
+    # than the positions it skipped (python -m benchmarks.verification: 0.46-0.51 -> 0.42 ms at
+    # 1 row x 8 drafts, 4.2-8.3 -> 1.0 ms at 32 rows x 1).
     greedy_flat = None
     if sampling_metadata.all_greedy:
         probs = None  # greedy rows accept while the draft is the argmax, then emit the argmax
