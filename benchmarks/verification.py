@@ -33,8 +33,9 @@ def make_step(rows: int, per_row: int, vocab: int, acceptance: float, seed: int 
     n = rows * per_row
     logits = torch.randn(n, vocab, generator=g) * 2
     drafts = torch.randint(0, vocab, (n,), generator=g)
-    lse = torch.logsumexp(logits.index_fill(1, torch.tensor([0]), -1e9), dim=-1)
-    logits[torch.arange(n), drafts] = lse + float(np.log(acceptance / (1 - acceptance)))
+    logits[torch.arange(n), drafts] = -torch.inf
+    others = torch.logsumexp(logits, dim=-1)  # every token but the draft
+    logits[torch.arange(n), drafts] = others + float(np.log(acceptance / (1 - acceptance)))
     counts = [per_row] * rows
     cu = torch.tensor(np.cumsum(counts), dtype=torch.int32)
     bonus = torch.randint(0, vocab, (rows, 1), generator=g)

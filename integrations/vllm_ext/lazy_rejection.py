@@ -120,9 +120,8 @@ def _verify(
     counts = torch.tensor(num_draft_tokens, dtype=torch.int64, device=device)
     starts = cu_num_draft_tokens.to(torch.int64) - counts
     drafts = draft_token_ids.to(torch.int64)
-    greedy_rows = None if sampling_metadata.all_random else (
-        torch.ones(batch, dtype=torch.bool, device=device) if sampling_metadata.all_greedy
-        else sampling_metadata.temperature == 0)
+    # rows at temperature 0 in a mixed batch (an all-greedy batch takes the argmax path below)
+    greedy_rows = None if sampling_metadata.all_random or sampling_metadata.all_greedy else sampling_metadata.temperature == 0
 
     # One softmax over every drafted position, also those after a row's first rejection: a
     # column-by-column walk over the rows still accepting paid a dozen small ops per column, more
@@ -188,13 +187,16 @@ def _recovered(probs: torch.Tensor, rejected_tokens: torch.Tensor) -> torch.Tens
     kept = probs.gather(1, rejected_tokens[:, None])
     probs.scatter_(1, rejected_tokens[:, None], 0.0)
     pad = (-vocab) % BLOCK
-    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, BLOCK)
-    block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)  # [R, vocab / BLOCK]
+
+    def blocked() -> tuple[torch.Tensor, torch.Tensor]:  # [R, blocks, BLOCK] view and its [R, blocks] float64 CDF
+        blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, BLOCK)
+        return blocks, blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
+
+    blocks, block_cdf = blocked()
     empty = block_cdf[:, -1] <= 0  # round-off left no residual mass: sample from p itself
     if bool(empty.any()):
         probs.scatter_(1, rejected_tokens[:, None], torch.where(empty[:, None], kept, 0.0))
-        blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, BLOCK)
-        block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
+        blocks, block_cdf = blocked()
     total = block_cdf[:, -1:]
     # u < total, also where the product rounds up: a block without mass is never chosen.
     u = torch.minimum(torch.rand(r, 1, dtype=torch.float64, device=probs.device) * total, torch.nextafter(total, torch.zeros_like(total)))
