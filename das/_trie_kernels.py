@@ -52,8 +52,9 @@ Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slo
 :func:`fill_hash_table`; for a request's trees at once :func:`append_tokens_trees` and
 :func:`draft_two_trees`; for all rows of an engine step :func:`check_batch`, :func:`add_batch`
 (:func:`add_batch_parallel` on several threads, :func:`add_batch_global` for the global tree)
-and :func:`draft_batch`. Python side: :func:`buffer_layout` and :func:`buffer_views`. Other
-numba code may build on :func:`borrowed_views` and :func:`greedy_walk`.
+and :func:`draft_batch` (:func:`draft_batch_parallel` on several threads). Python side:
+:func:`buffer_layout` and :func:`buffer_views`. Other numba code may build on
+:func:`borrowed_views` and :func:`greedy_walk`.
 """
 
 from __future__ import annotations
@@ -1121,7 +1122,25 @@ def draft_batch(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor
     (``<= out_tok.shape[1]``) from its problem tree (prior ``tprior[tree]``) and its request tree
     (prior ``req_prior``), the higher score wins (ties: the problem tree). Writes the draft to
     ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest of the row: -1 / 0.0) and ``k`` to
-    ``out_len[r]``. ``max_depth``: the trees' (the largest, if they differ)."""
+    ``out_len[r]``. ``max_depth``: the trees' (the largest, if they differ). One thread."""
+    _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob, out_len, 0, 1)
+
+
+@njit(cache=True, parallel=True)
+def draft_batch_parallel(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob,
+                         out_len, parts):
+    """:func:`draft_batch` on ``parts`` threads (numba's ``prange``): part ``p`` drafts rows ``p, p +
+    parts, ...``, each part with its own scratch arrays. Rows only read the trees and write their
+    own output row, so the drafts are the same as on one thread."""
+    for p in prange(parts):
+        _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob, out_len,
+                    p, parts)
+
+
+@njit(cache=True)
+def _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob, out_len,
+                first, stride):
+    """:func:`draft_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
     width = out_tok.shape[1]
     st = np.empty(4 * width + 4, np.int32)
     sp = np.empty(4 * width + 4, np.float32)
@@ -1129,7 +1148,7 @@ def draft_batch(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor
     lu = np.empty(D + 1, np.int64)
     ld = np.empty(D + 1, np.int64)
     scr = np.empty(D + width + 1, np.int32)
-    for r in range(handles.shape[0]):
+    for r in range(first, handles.shape[0], stride):
         m = budgets[r]
         k = 0
         if m > 0:

@@ -259,11 +259,11 @@ class DASDrafter:
         mix_lr: float > 0, AdaGrad step size of the mixer's online logistic regression. Default 0.1.
         draft_threads: int >= 0, threads that append and draft the rows of one
             :meth:`add_tokens_batch` / :meth:`speculate_batch` call at once (numba ``prange``, as
-            vLLM's n-gram proposer) from :data:`PARALLEL_ROWS` rows on (drafting: the ``"mix"``
-            chooser); the trees and drafts are the same as on one thread. 0: this machine's
+            vLLM's n-gram proposer) from :data:`PARALLEL_ROWS` rows on, with either chooser; the
+            trees and drafts are the same as on one thread. 0: this machine's
             physical cores available to the process, at most 8 (:func:`physical_cores`); 1: one
             thread. Default 0 (step cost at 256 rows on a 2-core Zen 4: 2.3 ms instead of 4.1
-            on one thread, see benchmarks/README.md).
+            on one thread with ``"mix"``, 0.70-0.78 ms with ``"walk"``; see benchmarks/README.md).
 
     Raises:
         ValueError: an argument of the wrong type or out of range (the message names it).
@@ -861,8 +861,14 @@ class DASDrafter:
             else:
                 mixing.mix_batch(*args)
         elif rows:
-            kernels.draft_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets,
-                                mp, self.max_spec_factor, self.max_depth, tokens, probs, lengths)
+            args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets, mp, self.max_spec_factor,
+                    self.max_depth, tokens, probs, lengths)
+            parts = self._threads_for(rows)  # rows write only their own output row: any handles
+            if parts > 1:
+                kernels.draft_batch_parallel(*args, parts)
+                self.parallel_calls += 1
+            else:
+                kernels.draft_batch(*args)
         return DraftBatch(tokens, probs, lengths)
 
     def _threads_for(self, rows: int) -> int:
