@@ -317,6 +317,10 @@ class DASDrafter:
         self._problems: OrderedDict[Hashable, _Problem] = OrderedDict()
         self._requests: dict[Hashable, _Request] = {}
         self._buf = (np.empty(64, np.int32), np.empty(64, np.float32))
+        self._one_learn = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.zeros(1, np.int64))  # add_tokens()'s learn_rows call
+        # speculate()'s one-row call of the mix kernel: handle, budget, tokens, probs, length (reused)
+        self._one = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.empty((1, 16), np.int32), np.empty((1, 16), np.float32),
+                     np.zeros(1, np.int64))
         # what the batch kernels read (see the module docstring and das._trie_kernels)
         self._tab = _TreeTable()
         self._handles: dict[Hashable, int] = {}  # live request id -> handle
@@ -627,7 +631,10 @@ class DASDrafter:
             return
         if self._dk[req.h] or self._dstop[req.h] >= 0:
             _check_range(arr, "tokens")
-            self._learn(np.array([req.h], np.int64), arr.reshape(1, m), np.zeros(1, np.int64), np.array([m], np.int64))
+            handle, start, end = self._one_learn  # one row's arguments, reused
+            handle[0] = req.h
+            end[0] = m
+            self._learn(handle, arr.reshape(1, m), start, end)
         prob = req.problem
         pt = prob.tree if prob is not None else None
         rt = req.tree
@@ -676,13 +683,23 @@ class DASDrafter:
                 raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
             self._drop_pending(req.h)  # no draft: nothing to learn from (as speculate_batch with budget 0)
             return empty_draft()
-        if self.chooser == "mix":
-            b = self.speculate_batch((req_id,), np.array([max_tokens], np.int64))
-            k = int(b.lengths[0])
+        if self.chooser == "mix":  # speculate_batch for one row, without its checks and allocations
+            if max_tokens > self._dtok.shape[1]:
+                self._grow_pending(max_tokens)
+            one = self._one
+            if one[2].shape[1] < max_tokens:
+                one = self._one = one[:2] + (np.empty((1, max_tokens), np.int32), np.empty((1, max_tokens), np.float32), one[4])
+            handle, budget, tokens, probs, length = one
+            handle[0] = req.h
+            budget[0] = max_tokens
+            mixing.mix_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handle, budget,
+                             self.min_token_prob, self.max_depth, self._wt, tokens, probs, length, self._dtok, self._dx, self._dset,
+                             self._dk, self._outcomes, self._dprev, self._dsup, self._dstop)
+            k = int(length[0])
             if k == 0:
                 return empty_draft()
-            probs = b.probs[0, :k]
-            return _new_tuple(Draft, (b.tokens[0, :k], probs, float(probs.sum(dtype=np.float64)), 0))
+            p = probs[0, :k].copy()
+            return _new_tuple(Draft, (tokens[0, :k].copy(), p, float(p.sum(dtype=np.float64)), 0))
         prob = req.problem
         pt = prob.tree if prob is not None else None
         rt = req.tree
