@@ -684,17 +684,13 @@ class DASDrafter:
             self._drop_pending(req.h)  # no draft: nothing to learn from (as speculate_batch with budget 0)
             return empty_draft()
         if self.chooser == "mix":  # speculate_batch for one row, without its checks and allocations
-            if max_tokens > self._dtok.shape[1]:
-                self._grow_pending(max_tokens)
             one = self._one
             if one[2].shape[1] < max_tokens:
                 one = self._one = one[:2] + (np.empty((1, max_tokens), np.int32), np.empty((1, max_tokens), np.float32), one[4])
             handle, budget, tokens, probs, length = one
             handle[0] = req.h
             budget[0] = max_tokens
-            mixing.mix_batch(self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handle, budget,
-                             self.min_token_prob, self.max_depth, self._wt, tokens, probs, length, self._dtok, self._dx, self._dset,
-                             self._dk, self._outcomes, self._dprev, self._dsup, self._dstop)
+            self._mix_drafts(handle, budget, max_tokens, self.min_token_prob, tokens, probs, length, 1)
             k = int(length[0])
             if k == 0:
                 return empty_draft()
@@ -865,18 +861,7 @@ class DASDrafter:
         probs = np.empty((rows, kmax), np.float32)
         lengths = np.zeros(rows, np.int64)
         if rows and self.chooser == "mix":
-            if kmax > self._dtok.shape[1]:
-                self._grow_pending(kmax)
-            gti = self._gti  # -1 without a global tree
-            args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, gti, self.prior, handles, budgets, mp,
-                    self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes,
-                    self._dprev, self._dsup, self._dstop)
-            parts = self._parts(handles)
-            if parts > 1:
-                mixing.mix_batch_parallel(*args, parts)
-                self.parallel_calls += 1
-            else:
-                mixing.mix_batch(*args)
+            self._mix_drafts(handles, budgets, kmax, mp, tokens, probs, lengths, self._parts(handles))
         elif rows:
             args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, handles, budgets, mp, self.max_spec_factor,
                     self.max_depth, tokens, probs, lengths)
@@ -887,6 +872,20 @@ class DASDrafter:
             else:
                 kernels.draft_batch(*args)
         return DraftBatch(tokens, probs, lengths)
+
+    def _mix_drafts(self, handles, budgets, kmax: int, min_prob: float, tokens, probs, lengths, parts: int) -> None:
+        """The ``mix`` kernel for these rows on ``parts`` threads: writes ``tokens`` / ``probs`` /
+        ``lengths`` and the rows' pending drafts (``kmax``: the largest budget)."""
+        if kmax > self._dtok.shape[1]:
+            self._grow_pending(kmax)
+        args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handles, budgets, min_prob,
+                self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes,
+                self._dprev, self._dsup, self._dstop)  # self._gti: -1 without a global tree
+        if parts > 1:
+            mixing.mix_batch_parallel(*args, parts)
+            self.parallel_calls += 1
+        else:
+            mixing.mix_batch(*args)
 
     def _threads_for(self, rows: int) -> int:
         """Threads for a batch call of ``rows`` rows: 1 below :data:`PARALLEL_ROWS` (waking
