@@ -5,7 +5,8 @@ keeps the walk with the best sum of path probabilities: every draft token rests 
 single context. Here each draft token is chosen from the counts of every context at once, the way
 PPM/PAQ-style compressors predict the next symbol (context mixing: Mahoney, "Adaptive weighing of
 context models for lossless data compression", 2005): every suffix of the request's context
-(prompt + output + draft so far, up to ``max_depth - 1`` tokens) is looked up in every scope, each
+(prompt + output + draft so far, up to ``max_depth - 1`` tokens; in the global tree, which is
+shallower, up to ``global_depth - 1``) is looked up in every scope, each
 lookup gives a probability to each candidate token, and a logistic mixer turns them into one
 acceptance probability, with weights learned online from the engine's accept/reject outcomes.
 
@@ -81,6 +82,7 @@ from das._trie_kernels import (
     C_DEPTH,
     C_TOKEN,
     M_HASH_SHIFT,
+    M_MAX_DEPTH,
     R_GLOBAL_SLOT,
     R_PROBLEM_SLOT,
     R_PROBLEM_TREE,
@@ -157,10 +159,11 @@ def _bucket_reps(lu, ld, lL, tr, c):
 
 
 @njit(cache=True)
-def _seq_loci(mem, s, D, lu, ld, lL, tr):
-    """Loci of slot ``s``'s context suffixes (its active loci), longest first, into row ``tr``."""
+def _seq_loci(mem, s, lu, ld, lL, tr):
+    """Loci of slot ``s``'s context suffixes (its active loci), longest first, into row ``tr``
+    (at most the tree's own ``max_depth - 1``: the global tree is shallower than the others)."""
     meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
-    w = min(seqs[s, S_LEN], D - 1)
+    w = min(seqs[s, S_LEN], meta[M_MAX_DEPTH] - 1)
     c = 0
     for L in range(w, 0, -1):
         u = seqs[s, S_LOCI + L]
@@ -325,7 +328,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 
 
 @njit(cache=True)
-def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
+def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
          only, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
     ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
@@ -465,11 +468,12 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, D, out_tok, o
                 continue
             meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
             shift = meta[M_HASH_SHIFT]
+            top = meta[M_MAX_DEPTH] - 1  # the scope's longest context (its tree's own depth)
             m = 0
             for i in range(nl[s]):
                 u = lu[s, i]
                 d = ld[s, i]
-                if lL[s, i] + 1 > D - 1:
+                if lL[s, i] + 1 > top:
                     continue
                 if d < nodes[u, C_DEPTH]:
                     if _edge_token(nodes, seqs, pool, u, d) != bt:
@@ -506,7 +510,8 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     per (previous token, token) pair and per support profile (its first :data:`SUPPORT_ROWS`
     rows; table 3: the calibration maps), read only. ``dstop[h]``: the token the draft stopped
     before by its probability (its inputs, weight set and profile at ``dx[h, k]``, ``dset[h, k]``,
-    ``dsup[h, k]``), else -1. ``D``: the trees' max_depth. One thread."""
+    ``dsup[h, k]``), else -1. ``D``: the largest ``max_depth`` of the trees (it sizes the
+    scratch arrays; each scope reads contexts up to its own tree's depth). One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
               dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, 0, 1)
 
@@ -569,17 +574,17 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             nl[:] = 0
             if pt >= 0:
                 priors[0] = tprior[pt]
-                nl[0] = _seq_loci(m0, ri[h, R_PROBLEM_SLOT], D, lu, ld, lL, 0)
+                nl[0] = _seq_loci(m0, ri[h, R_PROBLEM_SLOT], lu, ld, lL, 0)
             if rt >= 0:
                 priors[1] = req_prior
-                nl[1] = _seq_loci(m1, ri[h, R_REQUEST_SLOT], D, lu, ld, lL, 1)
+                nl[1] = _seq_loci(m1, ri[h, R_REQUEST_SLOT], lu, ld, lL, 1)
             if gti >= 0 and ri[h, R_GLOBAL_SLOT] >= 0:  # its live sequence in the global tree: its loci
                 priors[2] = gprior
-                nl[2] = _seq_loci(m2, ri[h, R_GLOBAL_SLOT], D, lu, ld, lL, 2)
+                nl[2] = _seq_loci(m2, ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
             sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]
             prev = _last_token(m0, sl)
             dprev[h] = prev
-            k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, D, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
+            k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
                      totr, totp, feat, only, cand, sums, cnts, outcomes, prev, srange, dsup[h], stop)
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]

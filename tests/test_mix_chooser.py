@@ -124,6 +124,31 @@ def test_the_global_tree_drafts_for_a_problem_never_seen():
     assert off.speculate("new", 4).tokens.size == 0 and off.stats()["global_rollouts"] == 0
 
 
+def test_the_global_tree_is_global_depth_deep_and_drafts_from_contexts_that_long():
+    """The global tree stores strings of at most ``global_depth`` tokens (at most ``max_depth``),
+    so it tells continuations apart by up to ``global_depth - 1`` tokens of context: after
+    ``51 52`` the problems' rollouts continue with 53 after ``50`` and with 55 after ``54``."""
+    def drafter(depth: int) -> DASDrafter:
+        d = DASDrafter(global_depth=depth, use_request_tree=False)
+        for p in range(6):
+            d.add_rollout([200 + p, 1], [50, 51, 52, 53] if p % 2 else [54, 51, 52, 55])
+        return d
+
+    deep, shallow = drafter(4), drafter(2)
+    assert deep._global.max_depth == 4 and shallow._global.max_depth == 2
+    assert DASDrafter(max_depth=6, global_depth=12)._global.max_depth == 6
+    for first, nxt in ((50, 53), (54, 55)):
+        for d in (deep, shallow):
+            d.start_request(("new", first), [300, 1])
+            d.add_tokens(("new", first), [first, 51, 52])
+        got = deep.speculate(("new", first), 1)
+        assert got.tokens.tolist() == [nxt]
+        low = shallow.speculate(("new", first), 1)  # one token of context (52): 53 and 55 alike
+        assert low.tokens.size == 0 or low.probs[0] < got.probs[0]
+    with pytest.raises(ValueError, match="global_depth must be >= 2, got 1"):
+        DASDrafter(global_depth=1)
+
+
 def test_global_tree_keeps_the_newest_rollouts_only():
     d = DASDrafter(global_rollouts=3)
     for i in range(5):
