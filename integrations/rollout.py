@@ -15,7 +15,8 @@ Reported per iteration: wall time, tokens per second, the tail (seconds from 90%
 finished to the last one), rollout lengths (p50, p90, max), tokens generated, verification steps (engine steps summed over
 requests: output tokens - accepted draft tokens, since every request-step yields exactly one
 sampled token plus its accepted drafts), acceptance length (tokens per verification step, bonus
-token included), drafted and accepted tokens.
+token included), the same in the tail (``tail_acc``: after 90% of the rollouts finished, where
+verification is nearly free and drafts pay most), drafted and accepted tokens.
 """
 
 from __future__ import annotations
@@ -63,6 +64,10 @@ class IterationResult:
     p50_rollout_tokens: float = 0.0
     p90_rollout_tokens: float = 0.0
     capped_rollouts: int = 0  # rollouts that hit max_tokens
+    tail_acceptance_length: float = 1.0  # tokens per verification step after 90% of rollouts finished
+    tail_row_steps: int = 0  # verification steps of the rollouts still running then (summed over rollouts)
+    tail_draft_tokens: int = 0  # draft tokens proposed then
+    tail_accepted_tokens: int = 0  # draft tokens accepted then
     timeline: dict[str, list[float]] | None = None  # {"t_s": [...], "running": [...]}, at most ~200 points
     proposer: dict[str, Any] | None = None  # DAS proposer counters for this iteration
 
@@ -254,6 +259,8 @@ class MethodRun:
             tokens_per_s=round(tokens / wall, 2), longest_rollout_tokens=int(lengths.max()), mean_rollout_tokens=round(tokens / len(lengths), 1),
             tail_s=round(batch.tail_time_s(0.1), 3), p50_rollout_tokens=float(np.percentile(lengths, 50)),
             p90_rollout_tokens=float(np.percentile(lengths, 90)), capped_rollouts=int((lengths >= args.max_tokens).sum()),
+            tail_acceptance_length=round(batch.tail_acceptance_length, 4), tail_row_steps=batch.tail_row_steps,
+            tail_draft_tokens=batch.tail_draft_tokens, tail_accepted_tokens=batch.tail_accepted_tokens,
             timeline={"t_s": [round(float(batch.step_s[i]), 3) for i in keep], "running": [int(batch.running[i]) for i in keep]},
             proposer=batch.proposer,
         )
@@ -335,14 +342,17 @@ def format_table(report: dict[str, Any]) -> str:
         for r in m["iterations"]:
             rows.append([name, r["iteration"], r["wall_time_s"], r["tokens"], r["tokens_per_s"], r.get("tail_s", 0.0),
                          r.get("p50_rollout_tokens", 0), r.get("p90_rollout_tokens", 0), r["longest_rollout_tokens"],
-                         r["verification_steps"], r["acceptance_length"], r["draft_tokens"], r["accepted_tokens"]])
-    head = ["method", "iter", "wall_s", "tokens", "tok/s", "tail_s", "p50_len", "p90_len", "max_len", "steps", "acc_len", "drafted", "accepted"]
+                         r["verification_steps"], r["acceptance_length"], r.get("tail_acceptance_length", 1.0), r["draft_tokens"],
+                         r["accepted_tokens"]])
+    head = ["method", "iter", "wall_s", "tokens", "tok/s", "tail_s", "p50_len", "p90_len", "max_len", "steps", "acc_len", "tail_acc",
+            "drafted", "accepted"]
     summary = []
     for name, m in report["methods"].items():
         s = m["summary"]
         summary.append([name, s["wall_time_s"], s["tokens"], s["tokens_per_s"], s.get("tail_s", 0.0), s["acceptance_length"],
-                        _ratio(s.get("speedup_vs_none")), _ratio(s.get("tokens_per_s_vs_none")), _ratio(s.get("tokens_per_s_vs_suffix"))])
-    shead = ["method", "wall_s", "tokens", "tok/s", "tail_s", "acc_len", "wall_vs_none", "tok/s_vs_none", "tok/s_vs_suffix"]
+                        s.get("tail_acceptance_length", 1.0), _ratio(s.get("speedup_vs_none")), _ratio(s.get("tokens_per_s_vs_none")),
+                        _ratio(s.get("tokens_per_s_vs_suffix"))])
+    shead = ["method", "wall_s", "tokens", "tok/s", "tail_s", "acc_len", "tail_acc", "wall_vs_none", "tok/s_vs_none", "tok/s_vs_suffix"]
     return tabulate(rows, head, floatfmt=".2f") + "\n\n" + tabulate(summary, shead, floatfmt=".2f")
 
 
@@ -354,8 +364,11 @@ def summarize(iterations: list[dict[str, Any]]) -> dict[str, Any]:
     wall = sum(r["wall_time_s"] for r in iterations)
     tokens = sum(r["tokens"] for r in iterations)
     steps = sum(r["verification_steps"] for r in iterations)
+    tail_steps = sum(r.get("tail_row_steps", 0) for r in iterations)
+    tail_acc = sum(r.get("tail_accepted_tokens", 0) for r in iterations)
     return {"wall_time_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
-            "tail_s": round(sum(r.get("tail_s", 0.0) for r in iterations), 3), "acceptance_length": round(tokens / max(steps, 1), 4)}
+            "tail_s": round(sum(r.get("tail_s", 0.0) for r in iterations), 3), "acceptance_length": round(tokens / max(steps, 1), 4),
+            "tail_acceptance_length": round((tail_steps + tail_acc) / tail_steps, 4) if tail_steps else 1.0}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,6 +156,7 @@ def test_groups_samples_finish_times_timeline_counters_and_tail(fake_vllm):
     assert batch.wall_time_s == 3.0 and batch.finish_times() == [0.5, 1.0, 1.0, 1.5, 2.0, 3.0]
     assert batch.tail_time_s(0.5) == 2.0  # the 3rd of 6 finished at 1.0 s, the last at 3.0 s
     assert batch.tail_time_s(0.1) == 0.0
+    assert batch.tail_row_steps == 0 and batch.tail_acceptance_length == 1.0  # the 6th of 6 is the last: no tail
     # counters: speculative ones as deltas over the batch
     assert batch.tokens == sum(lengths)
     assert batch.draft_tokens == 2 * sum(lengths) and batch.accepted_tokens == 6
@@ -167,6 +168,18 @@ def test_groups_samples_finish_times_timeline_counters_and_tail(fake_vllm):
     assert p["skipped_steps"] == 3 and p["drafts"] == 0 and p["failures"] == 0 and p["bad_requests"] == 0
     assert p["propose_s"] == pytest.approx(1.5)
     assert p["drafter_problems"] == 5 and p["budget"] == "cost"
+
+
+def test_the_tail_counts_its_own_steps_and_accepted_draft_tokens(fake_vllm):
+    """After the 9th of 10 rollouts finished (step 2), the 10th runs alone for 4 more steps: 4 row
+    steps, and the fake engine's counters grow by 2 draft tokens per running row and 1 accepted
+    token per step there, so the tail yields 2 tokens per verification step."""
+    llm = fake_vllm([1] * 8 + [2, 6])
+    batch = tg.generate_rollouts(llm, [[1]], ["a"], samples=10, max_tokens=8, temperature=1.0)
+    assert batch.running.tolist() == [2, 1, 1, 1, 1, 0]
+    assert batch.tail_time_s(0.1) == pytest.approx(2.0)
+    assert (batch.tail_row_steps, batch.tail_draft_tokens, batch.tail_accepted_tokens) == (4, 8, 4)
+    assert batch.tail_acceptance_length == pytest.approx(2.0)
 
 
 def test_per_prompt_sample_counts_without_enqueue(fake_vllm):

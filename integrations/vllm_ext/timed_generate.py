@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -72,6 +73,9 @@ class RolloutBatch:
         running: ``[steps]`` int64, rollouts still running after each engine step.
         proposer: with ``das``: the DAS proposer's snapshot (first worker), counters in
             :data:`PROPOSER_COUNTERS` as their growth during the batch, the rest as they stand.
+        tail_row_steps: after 90% of the rollouts had finished (the tail of :meth:`tail_time_s`),
+            engine steps summed over the rollouts still running: each gave one sampled token.
+        tail_draft_tokens, tail_accepted_tokens: draft tokens proposed and accepted in those steps.
     """
 
     rollouts: list[Rollout]
@@ -81,6 +85,15 @@ class RolloutBatch:
     step_s: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.float64))
     running: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))
     proposer: dict[str, Any] | None = None
+    tail_row_steps: int = 0
+    tail_draft_tokens: int = 0
+    tail_accepted_tokens: int = 0
+
+    @property
+    def tail_acceptance_length(self) -> float:
+        """Tokens per verification step in the tail (bonus token included; 1.0 without speculation
+        or without a tail): where the batch has drained and verification is nearly free."""
+        return (self.tail_row_steps + self.tail_accepted_tokens) / self.tail_row_steps if self.tail_row_steps else 1.0
 
     @property
     def tokens(self) -> int:
@@ -201,7 +214,13 @@ def generate_rollouts(
             engine.add_request(rid, prompt, sp)
     done: dict[tuple[int, int], Rollout] = {}
     step_s, running = [], []
+    # the tail as tail_time_s(0.1) counts it: from the step that finished the ceil(0.9 n)-th rollout
+    tail_done = math.ceil(0.9 * len(slots) - 1e-9)
+    tail_before = None
+    tail_row_steps = 0
     while engine.has_unfinished_requests():
+        if tail_before is not None:
+            tail_row_steps += len(slots) - len(done)  # rows running into this step
         outs = engine.step()
         now = time.perf_counter() - t0
         for out in outs:
@@ -212,10 +231,13 @@ def generate_rollouts(
                 done[slot] = Rollout(g, str(problem_ids[g]), s, list(prompts[g]), list(c.token_ids), str(c.finish_reason), now)
         step_s.append(now)
         running.append(len(slots) - len(done))
+        if tail_before is None and len(done) >= tail_done and len(done) < len(slots):
+            tail_before = spec_counters(llm)
     wall = step_s[-1] if step_s else time.perf_counter() - t0
     if len(done) != len(slots):
         raise RuntimeError(f"{len(slots) - len(done)} of {len(slots)} rollouts never finished (aborted by the engine?)")
     after = spec_counters(llm)
+    tail = {k: int(after[k] - tail_before[k]) for k in ("draft_tokens", "accepted_tokens")} if tail_before else {}
     proposer = None
     if das:
         after_p = control.snapshot(llm)[0]
@@ -224,4 +246,5 @@ def generate_rollouts(
         rollouts=[done[k] for k in slots], wall_time_s=wall,
         draft_tokens=int(after["draft_tokens"] - before["draft_tokens"]), accepted_tokens=int(after["accepted_tokens"] - before["accepted_tokens"]),
         step_s=np.asarray(step_s, np.float64), running=np.asarray(running, np.int64), proposer=proposer,
+        tail_row_steps=tail_row_steps, tail_draft_tokens=tail.get("draft_tokens", 0), tail_accepted_tokens=tail.get("accepted_tokens", 0),
     )
