@@ -93,6 +93,25 @@ def test_tail_is_measured_from_the_90th_percentile_finish():
         batch.tail_time_s(1.5)
 
 
+def test_the_summary_pools_the_tails_and_the_table_shows_them():
+    """``tail_acc`` over iterations is tokens over verification steps of all their tails pooled
+    (not a mean of ratios); an iteration without a tail counts nothing."""
+    from integrations.rollout import format_table, summarize
+
+    base = {"wall_time_s": 10.0, "tokens": 100, "verification_steps": 50, "tokens_per_s": 10.0, "iteration": 0,
+            "longest_rollout_tokens": 9, "acceptance_length": 2.0, "draft_tokens": 80, "accepted_tokens": 50}
+    its = [base | {"tail_row_steps": 10, "tail_accepted_tokens": 30, "tail_acceptance_length": 4.0},
+           base | {"tail_row_steps": 30, "tail_accepted_tokens": 10, "tail_acceptance_length": 1.3333},
+           base | {"tail_row_steps": 0, "tail_accepted_tokens": 0, "tail_acceptance_length": 1.0}]
+    s = summarize(its)
+    assert s["tail_acceptance_length"] == pytest.approx((40 + 40) / 40)
+    assert summarize([base])["tail_acceptance_length"] == 1.0  # reports from before the field: no tail counted
+    text = format_table({"methods": {"das": {"iterations": its, "summary": s}}})
+    head = text.splitlines()[0].split()
+    assert head[head.index("acc_len") + 1] == "tail_acc"
+    assert text.splitlines()[2].split()[head.index("tail_acc")] == "4.00"
+
+
 def test_kv_cache_size_follows_the_workload(tmp_path):
     from integrations.rollout import kv_cache_gib
 
