@@ -15,8 +15,9 @@ Reported per iteration: wall time, tokens per second, the tail (seconds from 90%
 finished to the last one), rollout lengths (p50, p90, max), tokens generated, verification steps (engine steps summed over
 requests: output tokens - accepted draft tokens, since every request-step yields exactly one
 sampled token plus its accepted drafts), acceptance length (tokens per verification step, bonus
-token included), the same in the tail (``tail_acc``: after 90% of the rollouts finished, where
-verification is nearly free and drafts pay most), drafted and accepted tokens.
+token included), the same in the tail (``tail_acc``: after 90% of the rollouts finished, when few
+rows share each step's fixed cost and accepted draft tokens shorten the batch most), drafted and
+accepted tokens.
 """
 
 from __future__ import annotations

@@ -92,7 +92,7 @@ class RolloutBatch:
     @property
     def tail_acceptance_length(self) -> float:
         """Tokens per verification step in the tail (bonus token included; 1.0 without speculation
-        or without a tail): where the batch has drained and verification is nearly free."""
+        or without a tail): where the batch has drained, so few rows share each step's fixed cost."""
         return (self.tail_row_steps + self.tail_accepted_tokens) / self.tail_row_steps if self.tail_row_steps else 1.0
 
     @property
