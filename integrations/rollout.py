@@ -38,6 +38,7 @@ from integrations.data.problems import problem_source
 from integrations.results import save_figure
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import METHODS, drop_unavailable
+from integrations.vllm_ext.timed_generate import tail_acceptance_length
 from scheduler import budgets
 
 _FIELDS = DASConfig.model_fields
@@ -258,7 +259,7 @@ class MethodRun:
             verification_steps=steps, acceptance_length=round(tokens / max(steps, 1), 4),
             draft_tokens=batch.draft_tokens, accepted_tokens=batch.accepted_tokens,
             tokens_per_s=round(tokens / wall, 2), longest_rollout_tokens=int(lengths.max()), mean_rollout_tokens=round(tokens / len(lengths), 1),
-            tail_s=round(batch.tail_time_s(0.1), 3), p50_rollout_tokens=float(np.percentile(lengths, 50)),
+            tail_s=round(batch.tail_time_s(), 3), p50_rollout_tokens=float(np.percentile(lengths, 50)),
             p90_rollout_tokens=float(np.percentile(lengths, 90)), capped_rollouts=int((lengths >= args.max_tokens).sum()),
             tail_acceptance_length=round(batch.tail_acceptance_length, 4), tail_row_steps=batch.tail_row_steps,
             tail_draft_tokens=batch.tail_draft_tokens, tail_accepted_tokens=batch.tail_accepted_tokens,
@@ -369,7 +370,7 @@ def summarize(iterations: list[dict[str, Any]]) -> dict[str, Any]:
     tail_acc = sum(r.get("tail_accepted_tokens", 0) for r in iterations)
     return {"wall_time_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / wall, 2) if wall else 0.0,
             "tail_s": round(sum(r.get("tail_s", 0.0) for r in iterations), 3), "acceptance_length": round(tokens / max(steps, 1), 4),
-            "tail_acceptance_length": round((tail_steps + tail_acc) / tail_steps, 4) if tail_steps else 1.0}
+            "tail_acceptance_length": round(tail_acceptance_length(tail_steps, tail_acc), 4)}
 
 
 def main(argv: list[str] | None = None) -> int:

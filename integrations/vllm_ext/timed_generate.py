@@ -59,6 +59,15 @@ class Rollout:
     finish_s: float
 
 
+TAIL_FRACTION = 0.1  # the long tail: the last 10% of a batch's rollouts, after the others finished
+
+
+def tail_acceptance_length(row_steps: int, accepted_tokens: int) -> float:
+    """Tokens per verification step of ``row_steps`` request-steps that accepted ``accepted_tokens``
+    draft tokens (each step also samples one token); 1.0 for no steps."""
+    return (row_steps + accepted_tokens) / row_steps if row_steps else 1.0
+
+
 @dataclasses.dataclass
 class RolloutBatch:
     """What one call of :func:`generate_rollouts` produced and measured.
@@ -93,7 +102,7 @@ class RolloutBatch:
     def tail_acceptance_length(self) -> float:
         """Tokens per verification step in the tail (bonus token included; 1.0 without speculation
         or without a tail): where the batch has drained, so few rows share each step's fixed cost."""
-        return (self.tail_row_steps + self.tail_accepted_tokens) / self.tail_row_steps if self.tail_row_steps else 1.0
+        return tail_acceptance_length(self.tail_row_steps, self.tail_accepted_tokens)
 
     @property
     def tokens(self) -> int:
@@ -114,7 +123,7 @@ class RolloutBatch:
         """Every rollout's finish time (seconds since the start), ascending."""
         return sorted(r.finish_s for r in self.rollouts)
 
-    def tail_time_s(self, fraction: float = 0.1) -> float:
+    def tail_time_s(self, fraction: float = TAIL_FRACTION) -> float:
         """Seconds the last ``fraction`` of the rollouts ran after the others had finished.
 
         ``wall_time_s`` minus the finish time of the rollout at the ``1 - fraction`` quantile (the
@@ -214,8 +223,8 @@ def generate_rollouts(
             engine.add_request(rid, prompt, sp)
     done: dict[tuple[int, int], Rollout] = {}
     step_s, running = [], []
-    # the tail as tail_time_s(0.1) counts it: from the step that finished the ceil(0.9 n)-th rollout
-    tail_done = math.ceil(0.9 * len(slots) - 1e-9)
+    # the tail as tail_time_s() counts it: from the step that finished the ceil((1 - TAIL_FRACTION) n)-th rollout
+    tail_done = math.ceil((1.0 - TAIL_FRACTION) * len(slots) - 1e-9)
     tail_before = None
     tail_row_steps = 0
     while engine.has_unfinished_requests():
