@@ -99,6 +99,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="problem choice and sampling seed")
     p.add_argument("--sample-seed", type=int, default=0,
                    help="other random draws on the same problems: iteration v samples with seed * 100003 + v + 7919 * sample_seed")
+    p.add_argument("--coupled-sampling", action="store_true",
+                   help="key each rollout's sampling by (seed, rollout, token index): every method samples the same tokens "
+                        "wherever its logits match bit for bit, and a rerun repeats them (lossless; "
+                        "integrations.vllm_ext.coupled_sampling)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.data.trace)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --trace files (default: refuse before the run)")
@@ -242,7 +246,7 @@ class MethodRun:
             control.begin_iteration(llm, version)
         batch = generate_rollouts(llm, [prompts[i] for i in chosen], [problem_ids[i] for i in chosen], samples=args.samples,
                                   max_tokens=args.max_tokens, temperature=args.temperature, seed=sampling_seed(args, version),
-                                  das=self.method == "das")
+                                  das=self.method == "das", coupled=getattr(args, "coupled_sampling", False))
         lengths = np.array([len(r.output_ids) for r in batch.rollouts])
         if rollouts is not None:
             from integrations.data.trace import Rollout

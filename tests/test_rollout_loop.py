@@ -138,7 +138,7 @@ def test_groups_samples_finish_times_timeline_counters_and_tail(fake_vllm):
     batch = tg.generate_rollouts(llm, prompts, ["p0", "p1"], samples=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=1234,
                                  draft_caps=[None, 4], das=True, sampling={"ignore_eos": True})
     assert torch.initial_seed() == 1234
-    # the requests: one n=1 request per sample, in (group, sample) order, one SamplingParams per prompt
+    # the requests: one n=1 request per sample, in (group, sample) order; no sample keys unless coupled
     added = llm.llm_engine.added
     assert [a[1] for a in added] == [{"prompt_token_ids": prompts[k // 3]} for k in range(6)]
     for k, (_, _, sp) in enumerate(added):
@@ -168,6 +168,23 @@ def test_groups_samples_finish_times_timeline_counters_and_tail(fake_vllm):
     assert p["skipped_steps"] == 3 and p["drafts"] == 0 and p["failures"] == 0 and p["bad_requests"] == 0
     assert p["propose_s"] == pytest.approx(1.5)
     assert p["drafter_problems"] == 5 and p["budget"] == "cost"
+
+
+def test_coupled_rollouts_carry_one_sample_key_each_from_the_seed_and_their_place(fake_vllm):
+    from integrations.vllm_ext.coupled_sampling import KEY_ARG, rollout_key
+
+    def keys(seed, coupled):
+        llm = fake_vllm([2, 1, 3, 2])
+        tg.generate_rollouts(llm, [[1, 2], [3]], ["p0", "p1"], samples=2, max_tokens=4, temperature=1.0, seed=seed,
+                             draft_caps=[3, None], coupled=coupled)
+        extras = [sp.kw["extra_args"] for _, _, sp in llm.llm_engine.added]
+        assert [{k: v for k, v in e.items() if k != KEY_ARG} for e in extras] == [
+            {"das_problem_id": "p0", "das_max_draft_tokens": 3}] * 2 + [{"das_problem_id": "p1"}] * 2
+        return [e.get(KEY_ARG) for e in extras]
+
+    assert keys(7, coupled=True) == [rollout_key(7, k) for k in range(4)]
+    assert len(set(keys(7, coupled=True))) == 4 and set(keys(7, coupled=True)).isdisjoint(keys(8, coupled=True))
+    assert keys(7, coupled=False) == [None] * 4
 
 
 def test_the_tail_counts_its_own_steps_and_accepted_draft_tokens(fake_vllm):
@@ -213,10 +230,11 @@ def test_das_rollout_iteration_and_trace_records(fake_vllm):
     llm = fake_vllm(lengths)
     run = MethodRun.__new__(MethodRun)  # the engine is the fake: skip building one
     run.name, run.method, run.llm = "das", "das", llm
-    run.args = argparse.Namespace(samples=2, max_tokens=4, temperature=0.6, seed=3)
+    run.args = argparse.Namespace(samples=2, max_tokens=4, temperature=0.6, seed=3, coupled_sampling=True)
     prompts = [[9], [1, 2], [3, 4, 5]]
     records = []
     r = run.run_iteration(1, [2, 0], prompts, ["x", "y", "z"], records)
+    assert all("das_sample_key" in sp.kw["extra_args"] for _, _, sp in llm.llm_engine.added)  # --coupled-sampling
     assert isinstance(r, IterationResult) and llm.drafter.versions == [2]
     assert torch.initial_seed() == 3 * 100003 + 2
     assert (r.iteration, r.policy_version, r.rollouts, r.tokens, r.wall_time_s) == (1, 2, 4, 10, 2.0)

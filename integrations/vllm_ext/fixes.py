@@ -50,6 +50,12 @@ verifies first and has the CPU sampler (``TopKTopPSampler.forward_cpu``, wrapped
 :func:`~integrations.vllm_ext.lazy_rejection.bonus_rows_only`) sample only the rows whose drafts were
 all accepted; those rows get the same tokens as before. Steps with logprobs, draft probabilities or
 per-request generators run vLLM's code. It belongs upstream.
+
+7. Coupled sampling (:mod:`integrations.vllm_ext.coupled_sampling`). A request with a sample key
+(``extra_args["das_sample_key"]``) gets at token index ``i`` the Gumbel-max sample with seed
+``(key, i)``, in plain steps, in verification and for bonus tokens alike: the same rollout from a
+plain or a speculative engine, and on every rerun, wherever the logits are the same. The ``_sample``
+wrapper of fix 5 records the batch's keys and token counts for the samplers.
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ import builtins
 import logging
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -116,13 +123,44 @@ def _suffix_propose_with_dynamic_k(original):
 
 
 def _plain_sampling_without_drafts(original):
+    from integrations.vllm_ext import coupled_sampling
+
     def _sample(self, logits, spec_decode_metadata):
         if spec_decode_metadata is not None and spec_decode_metadata.max_spec_len == 0:
             spec_decode_metadata = None  # no row drafted: the plain engine's sampling (fix 5)
-        return original(self, logits, spec_decode_metadata)
+        coupled_sampling.begin_step(*_step_keys(self))  # fix 7: the rows' sample keys and next token indices
+        try:
+            return original(self, logits, spec_decode_metadata)
+        finally:
+            coupled_sampling.end_step()
 
     _sample.__das_fix__ = True
     return _sample
+
+
+def _step_keys(runner) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The input batch's sample keys (int64 ``[rows]``, -1: none) and verified token counts (the
+    index of each row's next token), or ``(None, None)`` when no row has a key. A request's key is
+    read once and kept on its state (request ids need not be unique across engines)."""
+    from integrations.vllm_ext import coupled_sampling
+
+    batch = runner.input_batch
+    ids = getattr(batch, "req_ids", None)
+    requests = getattr(runner, "requests", None)
+    if not ids or requests is None:  # not a runner with requests: nothing to key
+        return None, None
+    keys = np.empty(len(ids), np.int64)
+    for i, rid in enumerate(ids):
+        state = requests.get(rid)
+        key = getattr(state, "_das_sample_key", None)
+        if key is None:
+            key = coupled_sampling.request_key(getattr(state, "sampling_params", None))
+            if state is not None:
+                state._das_sample_key = key
+        keys[i] = key
+    if not bool((keys >= 0).any()):
+        return None, None
+    return keys, np.asarray(batch.num_tokens_no_spec[: len(ids)], np.int64).copy()
 
 
 def safe_vars(obj: object) -> Mapping:

@@ -23,6 +23,9 @@ rejection the token is drawn from the residual ``max(p - q, 0)`` normalised, i.e
 then emit the argmax. When every draft token of a row is accepted, the row gets its bonus token.
 Random numbers are drawn per call from torch's global generator (the per-request generators of
 seeded requests are not supported by this fast path: such steps fall back to vLLM's sampler).
+Rows with a sample key take no random numbers: a draft token is accepted iff it equals the
+target's own inverse-CDF sample at its index (from the row's key and the index), and a rejected position emits that sample (the same
+distribution: :mod:`integrations.vllm_ext.coupled_sampling`).
 """
 
 from __future__ import annotations
@@ -31,6 +34,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from integrations.vllm_ext import coupled_sampling
 
 PLACEHOLDER_TOKEN_ID = -1  # vLLM's marker for "no token at this position"
 
@@ -128,13 +133,21 @@ def _verify(
     # than the positions it skipped (python -m benchmarks.verification: 0.46-0.51 -> 0.42 ms at
     # 1 row x 8 drafts, 4.2-8.3 -> 1.0 ms at 32 rows x 1).
     greedy_flat = None
-    if sampling_metadata.all_greedy:
-        probs = None  # greedy rows accept while the draft is the argmax, then emit the argmax
+    probs = keyed = samples = None
+    if sampling_metadata.all_greedy:  # greedy rows accept while the draft is the argmax, then emit the argmax
         accept = target_logits.argmax(dim=-1) == drafts
     else:
-        probs = torch.softmax(target_logits, dim=-1)  # [num_tokens, vocab] float32
-        p_x = probs.gather(1, drafts[:, None]).squeeze(1).to(torch.float64)
-        accept = torch.rand(num_tokens, dtype=torch.float64, device=device) < p_x
+        coupled = coupled_sampling.coupled_samples(target_logits, counts)
+        if coupled is not None:  # keyed rows: accept iff the draft is the target's own sample there
+            keyed, samples = coupled
+        if keyed is not None and bool(keyed.all()):
+            accept = samples == drafts
+        else:
+            probs = torch.softmax(target_logits, dim=-1)  # [num_tokens, vocab] float32
+            p_x = probs.gather(1, drafts[:, None]).squeeze(1).to(torch.float64)
+            accept = torch.rand(num_tokens, dtype=torch.float64, device=device) < p_x
+            if keyed is not None:
+                accept = torch.where(keyed, samples == drafts, accept)
         if greedy_rows is not None:
             greedy_flat = torch.repeat_interleave(greedy_rows, counts, output_size=num_tokens)
             if bool(greedy_flat.any()):
@@ -153,19 +166,21 @@ def _verify(
     rejected = rows[~full]
     if rejected.numel():
         at = starts[rejected] + n_accepted[rejected]  # each rejected row's first rejected position
-        if probs is None:
+        if sampling_metadata.all_greedy:
             recovered = target_logits.index_select(0, at).argmax(dim=-1)
-        else:
+        elif keyed is None:
             recovered = _recovered(probs.index_select(0, at), drafts[at])
+        else:  # a keyed row emits the target's own sample at its first rejected position
+            recovered = samples[at]
+            plain = ~keyed[at]
+            if bool(plain.any()):
+                recovered[plain] = _recovered(probs.index_select(0, at[plain]), drafts[at[plain]])
         if greedy_flat is not None:
             greedy_at = greedy_flat[at]
             if bool(greedy_at.any()):
                 recovered[greedy_at] = target_logits[at[greedy_at]].argmax(dim=-1)  # greedy rows emit the argmax
         out[rejected, n_accepted[rejected]] = recovered.to(torch.int32)
     return out, n_accepted, full
-
-
-BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
 
 
 def _recovered(probs: torch.Tensor, rejected_tokens: torch.Tensor) -> torch.Tensor:
@@ -177,43 +192,26 @@ def _recovered(probs: torch.Tensor, rejected_tokens: torch.Tensor) -> torch.Tens
         rejected_tokens: ``[R]`` int64, the draft token rejected there.
 
     Returns:
-        ``[R]`` int64 token ids.
+        ``[R]`` int64 token ids, by the two-level inverse CDF of
+        :func:`integrations.vllm_ext.coupled_sampling.inverse_cdf` at one uniform per row (torch's
+        multinomial and exponential draws cost ~16 ns per entry).
     """
-    # Inverse-CDF sampling in two levels, one uniform per row: block sums of BLOCK entries (one
-    # pass over the vocabulary), a float64 cumsum over the blocks, then one block's own float64
-    # cumsum. A float64 cumsum over the whole vocabulary is a serial pass (~28 us per row here);
-    # torch's multinomial and exponential draws cost ~16 ns per entry.
-    r, vocab = probs.shape
     kept = probs.gather(1, rejected_tokens[:, None])
     probs.scatter_(1, rejected_tokens[:, None], 0.0)
-    pad = (-vocab) % BLOCK
-
-    def blocked() -> tuple[torch.Tensor, torch.Tensor]:  # [R, blocks, BLOCK] view and its [R, blocks] float64 CDF
-        blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, BLOCK)
-        return blocks, blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
-
-    blocks, block_cdf = blocked()
-    empty = block_cdf[:, -1] <= 0  # round-off left no residual mass: sample from p itself
+    u = torch.rand(probs.shape[0], dtype=torch.float64, device=probs.device)
+    tokens = coupled_sampling.inverse_cdf(probs, u)
+    empty = tokens < 0  # round-off left no residual mass: sample from p itself
     if bool(empty.any()):
-        probs.scatter_(1, rejected_tokens[:, None], torch.where(empty[:, None], kept, 0.0))
-        blocks, block_cdf = blocked()
-    total = block_cdf[:, -1:]
-    # u < total, also where the product rounds up: a block without mass is never chosen.
-    u = torch.minimum(torch.rand(r, 1, dtype=torch.float64, device=probs.device) * total, torch.nextafter(total, torch.zeros_like(total)))
-    block = torch.searchsorted(block_cdf, u, right=True).clamp_(max=block_cdf.shape[1] - 1)  # [R, 1]
-    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
-    inner = blocks[torch.arange(r, device=probs.device), block.squeeze(1)].to(torch.float64).cumsum_(dim=-1)  # [R, BLOCK]
-    # u - before lies in [0, the block's sum); the block's own cumsum can round a hair below that
-    # sum, so the offset stays under its last value: an entry of weight 0 is never chosen.
-    last = inner[:, -1:]
-    offset = torch.minimum(u - before, torch.nextafter(last, torch.zeros_like(last)))
-    within = torch.searchsorted(inner, offset, right=True).clamp_(max=BLOCK - 1)
-    return (block * BLOCK + within).squeeze(1).clamp_(max=vocab - 1)
+        rows = torch.nonzero(empty).squeeze(1)
+        probs[rows] = probs[rows].scatter(1, rejected_tokens[rows, None], kept[rows])
+        tokens[rows] = coupled_sampling.inverse_cdf(probs[rows], u[rows])
+    return tokens
 
 
 # ---- lazy bonus tokens: the bonus sampler samples only the rows whose drafts were all accepted
 
 _bonus_rows: torch.Tensor | None = None  # [batch] bool while forward() samples bonus tokens, else None
+_bonus_offsets: torch.Tensor | None = None  # [batch] int64: the rows' draft tokens, while forward() samples bonus tokens
 
 
 def rejection_sampler_forward(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -233,9 +231,11 @@ def rejection_sampler_forward(original: Callable[..., Any]) -> Callable[..., Any
     """
 
     def forward(self, metadata, draft_probs, logits, sampling_metadata):
-        global _bonus_rows
+        global _bonus_rows, _bonus_offsets
         if (draft_probs is not None or self.synthetic_mode or sampling_metadata.generators
                 or sampling_metadata.max_num_logprobs is not None or sampling_metadata.logprob_token_ids):
+            # vLLM samples bonus tokens before verifying, at no index we could key: such steps are not coupled
+            coupled_sampling.end_step()
             return original(self, metadata, draft_probs, logits, sampling_metadata)
         from vllm.v1.outputs import SamplerOutput
         from vllm.v1.sample import rejection_sampler
@@ -248,11 +248,12 @@ def rejection_sampler_forward(original: Callable[..., Any]) -> Callable[..., Any
         out, n_accepted, full = _verify(metadata.draft_token_ids, metadata.num_draft_tokens, metadata.max_spec_len,
                                         metadata.cu_num_draft_tokens, target_logits, sampling_metadata)
         _bonus_rows = full
+        _bonus_offsets = torch.tensor(metadata.num_draft_tokens, dtype=torch.int64)  # a bonus token's index: n + k
         try:
             bonus = self.sampler(logits=bonus_logits, sampling_metadata=sampling_metadata,
                                  predict_bonus_token=True).sampled_token_ids
         finally:
-            _bonus_rows = None
+            _bonus_rows = _bonus_offsets = None
         _place_bonus(out, n_accepted, full, bonus)
         return SamplerOutput(sampled_token_ids=out, logprobs_tensors=None)
 
@@ -270,7 +271,8 @@ def bonus_rows_only(original: Callable[..., Any]) -> Callable[..., Any]:
 
     def forward_cpu(self, logits, generators, k, p):
         rows = _bonus_rows
-        if rows is None or generators or self.use_fp64_gumbel or bool(rows.all()):
+        coupled = None if generators or self.use_fp64_gumbel else coupled_sampling.row_uniforms(logits.shape[0], _bonus_offsets)
+        if coupled is None and (rows is None or generators or self.use_fp64_gumbel or bool(rows.all())):
             return original(self, logits, generators, k, p)
         from vllm.v1.sample.ops.topk_topp_sampler import apply_top_k_top_p
 
@@ -282,7 +284,13 @@ def bonus_rows_only(original: Callable[..., Any]) -> Callable[..., Any]:
             logits_to_return = logits.log_softmax(dim=-1, dtype=torch.float32)
         seeds = torch.randint(0, 2**31, (logits.shape[0],), dtype=torch.long)
         sampled = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
-        kept = torch.nonzero(rows).squeeze(1)
+        want = torch.ones(logits.shape[0], dtype=torch.bool) if rows is None else rows
+        if coupled is not None:  # keyed rows: the inverse CDF at their token's own uniform (coupled_sampling)
+            keyed = torch.nonzero(want & coupled[0]).squeeze(1)
+            if keyed.numel():
+                sampled[keyed] = coupled_sampling.sample_rows(logits[keyed], coupled[1][keyed])
+            want = want & ~coupled[0]
+        kept = torch.nonzero(want).squeeze(1)
         if kept.numel():
             sampled[kept] = torch.ops._C.fused_gumbel_argmax(logits[kept].to(torch.float32), seeds[kept]).to(torch.long)
         return sampled, logits_to_return

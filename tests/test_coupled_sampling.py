@@ -1,0 +1,223 @@
+"""Coupled sampling (integrations.vllm_ext.coupled_sampling): a keyed request's token at index ``i``
+is the inverse CDF of the target distribution at the uniform of ``(key, i)``, whether a plain step
+samples it, verification accepts it as a draft token, emits it at a rejection or samples it as a
+bonus token; and the tokens still follow the target distribution (chi-square over many keys).
+"""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from integrations.vllm_ext import coupled_sampling as cs
+
+
+def test_index_uniforms_are_deterministic_uniform_and_differ_between_neighbours():
+    keys = np.array([0, 1, 2, 2**62], np.int64)
+    a = cs.index_uniforms(keys, np.array([5, 5, 5, 5]))
+    assert a.dtype == np.float64 and np.all((a >= 0) & (a < 1))
+    assert np.array_equal(a, cs.index_uniforms(keys, np.array([5, 5, 5, 5])))
+    grid = cs.index_uniforms(np.arange(200)[:, None], np.arange(200)[None, :])  # 40,000 (key, index) pairs
+    assert len(np.unique(grid)) == grid.size
+    counts = np.histogram(grid, bins=20, range=(0, 1))[0]
+    assert np.abs(counts - grid.size / 20).max() < 5 * np.sqrt(grid.size / 20)  # flat
+    assert cs.rollout_key(3, 0) != cs.rollout_key(3, 1) != cs.rollout_key(4, 1)
+    assert all(0 <= cs.rollout_key(s, i) < 2**63 for s in (0, -1, 2**40) for i in (0, 7))
+
+
+def test_request_key_reads_only_a_non_negative_int():
+    def params(extra):
+        return types.SimpleNamespace(extra_args=extra)
+
+    assert cs.request_key(params({cs.KEY_ARG: 12})) == 12
+    assert cs.request_key(params({cs.KEY_ARG: np.int64(7)})) == 7
+    for bad in ({cs.KEY_ARG: -3}, {cs.KEY_ARG: True}, {cs.KEY_ARG: "12"}, {cs.KEY_ARG: 2**63}, {}, None, "x"):
+        assert cs.request_key(params(bad)) == -1
+    assert cs.request_key(None) == -1
+
+
+def _vllm_cpu_fixes():
+    pytest.importorskip("vllm")
+    from integrations.vllm_ext import fixes as vllm_fixes
+    from integrations.vllm_ext.cpu_runtime import is_cpu_build
+
+    if not is_cpu_build() or vllm_fixes.vllm_version() not in vllm_fixes.TESTED_VLLM_VERSIONS:
+        pytest.skip("fixes apply to the tested CPU build only")
+    assert vllm_fixes.apply()
+
+
+def _plain_sample(logits: torch.Tensor, keys: np.ndarray, index: np.ndarray) -> torch.Tensor:
+    """What a plain step samples for keyed rows: the inverse CDF at the uniform of the token's index."""
+    return cs.sample_rows(logits, torch.from_numpy(cs.index_uniforms(keys, index)))
+
+
+def test_inverse_cdf_follows_the_distribution_and_never_picks_zero_weight():
+    torch.manual_seed(0)
+    probs = torch.zeros(1000)
+    probs[[3, 255, 256, 511, 700, 999]] = torch.tensor([0.1, 0.2, 0.05, 0.3, 0.15, 0.2])  # across 4 blocks, the last partial
+    n = 40000
+    tokens = cs.inverse_cdf(probs.expand(n, 1000).clone(), torch.rand(n, dtype=torch.float64))
+    counts = torch.bincount(tokens, minlength=1000).float()
+    assert counts[probs == 0].sum() == 0
+    expected = probs * n
+    mask = probs > 0
+    assert float((((counts - expected) ** 2 / expected)[mask]).sum()) < 25.7  # chi2(5) 99.99th percentile
+    assert torch.equal(cs.inverse_cdf(torch.zeros(2, 1000), torch.tensor([0.3, 0.9], dtype=torch.float64)), torch.tensor([-1, -1]))
+
+
+VOCAB = 8
+P0 = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
+P1 = torch.tensor([0.0, 2.5, -1.0, 1.0, 0.0, 0.0, -2.0, 0.5])
+PB = torch.tensor([-1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 0.0, 1.5])
+
+
+def _verify_keyed(pairs: int, keys: np.ndarray, next_index: np.ndarray):
+    """vLLM's RejectionSampler with the fixes, on rows drafting [6, 3] (logits P0, P1, bonus PB)
+    and rows without drafts (bonus PB), with the step's keys set as the model runner sets them."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    drafts = [[6, 3], []] * pairs
+    meta = SpecDecodeMetadata.make_dummy(drafts, device="cpu")
+    batch = len(drafts)
+    per_row = torch.tensor([len(d) + 1 for d in drafts])
+    first = torch.cumsum(per_row, 0) - per_row
+    meta.target_logits_indices = torch.cat([first[i] + torch.arange(len(d)) for i, d in enumerate(drafts)]).to(torch.int32)
+    meta.bonus_logits_indices = (first + per_row - 1).to(torch.int32)
+    logits = torch.empty(int(per_row.sum()), VOCAB)
+    logits[meta.target_logits_indices.long()] = torch.stack([P0, P1] * pairs)
+    logits[meta.bonus_logits_indices.long()] = PB
+    sampling = SamplingMetadata(
+        temperature=torch.ones(batch), all_greedy=False, all_random=True, top_p=None, top_k=None, generators={},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors())
+    cs.begin_step(keys, next_index)
+    try:
+        return RejectionSampler(Sampler()).forward(meta, None, logits, sampling).sampled_token_ids
+    finally:
+        cs.end_step()
+
+
+def _chi2(tokens: torch.Tensor, logits: torch.Tensor) -> float:
+    counts = torch.bincount(tokens.long(), minlength=VOCAB).float()
+    expected = logits.softmax(-1) * counts.sum()
+    mask = expected > 5
+    return float((((counts - expected) ** 2) / expected.clamp(min=1e-12))[mask].sum())
+
+
+def test_verification_emits_the_plain_samples_of_each_index():
+    _vllm_cpu_fixes()
+    pairs = 300
+    keys = np.arange(2 * pairs, dtype=np.int64) * 7919 + 11
+    n = np.arange(2 * pairs, dtype=np.int64) % 50 + 20  # each row's verified tokens: the index of its next token
+    out = _verify_keyed(pairs, keys, n)
+    drafting, plain = out[0::2].long(), out[1::2].long()
+    kd, nd, kp, np_ = keys[0::2], n[0::2], keys[1::2], n[1::2]
+    at0 = _plain_sample(P0.expand(pairs, VOCAB), kd, nd)  # what plain steps would sample at n, n + 1, n + 2
+    at1 = _plain_sample(P1.expand(pairs, VOCAB), kd, nd + 1)
+    at2 = _plain_sample(PB.expand(pairs, VOCAB), kd, nd + 2)
+    assert torch.equal(drafting[:, 0], at0)  # accepted draft token or the emitted sample: the plain sample either way
+    ok0 = at0 == 6
+    assert torch.equal(drafting[ok0, 1], at1[ok0])
+    both = ok0 & (at1 == 3)
+    assert torch.equal(drafting[both, 2], at2[both])  # the bonus token at n + 2
+    assert torch.all(drafting[~ok0, 1] == -1) and torch.all(drafting[ok0 & ~both, 2] == -1)
+    assert torch.equal(plain[:, 0], _plain_sample(PB.expand(pairs, VOCAB), kp, np_))  # rows without drafts: index n
+    assert 0 < int(ok0.sum()) < pairs and 0 < int(both.sum())  # both outcomes happened
+    assert torch.equal(out, _verify_keyed(pairs, keys, n))  # the same keys: the same tokens, whatever torch's generator
+
+
+def test_keyed_verification_keeps_the_target_distribution():
+    _vllm_cpu_fixes()
+    pairs = 12000
+    keys = np.arange(2 * pairs, dtype=np.int64) + 10**9
+    out = _verify_keyed(pairs, keys, np.full(2 * pairs, 40, np.int64))
+    drafting, plain = out[0::2], out[1::2]
+    ok0 = drafting[:, 0] == 6
+    both = ok0 & (drafting[:, 1] == 3)
+    for tokens, logits in ((drafting[:, 0], P0), (drafting[ok0, 1], P1), (drafting[both, 2], PB), (plain[:, 0], PB)):
+        assert _chi2(tokens, logits) < 30.0  # chi2(7) 99.99th percentile is ~29.9
+    # the same check fails for a sampler that reuses one index's uniform at the next index
+    wrong = _plain_sample(P1.expand(pairs, VOCAB), keys[0::2], np.full(pairs, 40))
+    assert _chi2(wrong[ok0], P1) > 30.0
+
+
+def test_plain_steps_sample_keyed_rows_at_their_next_index_and_others_as_before():
+    _vllm_cpu_fixes()
+    from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
+
+    sampler = types.SimpleNamespace(use_fp64_gumbel=False, logprobs_mode="raw_logprobs")
+    logits = torch.randn(6, 500) * 3
+    keys = np.array([5, -1, 9, 9, -1, 123], np.int64)
+    n = np.array([10, 11, 12, 13, 14, 15], np.int64)
+    cs.begin_step(keys, n)
+    try:
+        torch.manual_seed(3)
+        got, _ = TopKTopPSampler.forward_cpu(sampler, logits.clone(), {}, None, None)
+    finally:
+        cs.end_step()
+    keyed = keys >= 0
+    assert torch.equal(got[torch.from_numpy(keyed)].long(), _plain_sample(logits[torch.from_numpy(keyed)], keys[keyed], n[keyed]))
+    torch.manual_seed(3)
+    unkeyed, _ = TopKTopPSampler.forward_cpu.__wrapped__(sampler, logits.clone(), {}, None, None)
+    assert torch.equal(got[torch.from_numpy(~keyed)].long(), unkeyed[torch.from_numpy(~keyed)].long())
+    assert not cs.active()  # nothing left over for the next step
+
+
+@pytest.mark.engine
+def test_a_speculative_engine_samples_the_rollouts_of_a_plain_one(peaked_tiny_model):
+    """The same keys give the same sampled tokens with no speculation and with DAS drafting:
+    accepted drafts, emitted samples at rejections and bonus tokens are all the plain samples."""
+    pytest.importorskip("vllm")
+    from vllm import SamplingParams, TokensPrompt
+
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import make_llm, release_engine_state, spec_counters
+
+    prompts = [[5, 17, 42, 8], [100, 3, 77], [9, 9, 9, 10, 11], [300, 200, 100, 50, 25, 12]] * 4
+
+    def generate(llm, seed):
+        params = [SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True, extra_args={cs.KEY_ARG: cs.rollout_key(seed, i)})
+                  for i in range(len(prompts))]
+        torch.manual_seed(seed + 1000)  # torch's generator differs from the keys: keyed rows must not read it
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    base = make_llm(peaked_tiny_model, "none", dtype="float32", max_model_len=128)
+    expected = [generate(base, s) for s in (1, 2)]
+    del base
+    release_engine_state()
+    llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6, das_config={"budget": "fixed"})
+    got = []
+    for version, seed in ((1, 1), (2, 2)):  # the second iteration drafts from the first one's rollouts
+        control.begin_iteration(llm, version)
+        got.append(generate(llm, seed))
+    counters = spec_counters(llm)
+    assert counters["accepted_tokens"] > 0 and counters["accepted_tokens"] < counters["draft_tokens"]
+    assert got == expected
+    assert expected[0] != expected[1]  # other keys, other rollouts
+
+
+def test_the_model_runner_hook_reads_each_rows_key_once_and_its_next_index():
+    from integrations.vllm_ext.fixes import _step_keys
+
+    def state(extra):
+        return types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args=extra))
+
+    requests = {"a": state({cs.KEY_ARG: 5}), "b": state({"das_problem_id": "p"}), "c": state({cs.KEY_ARG: 9})}
+    runner = types.SimpleNamespace(requests=requests, input_batch=types.SimpleNamespace(
+        req_ids=["c", "b", "a"], num_tokens_no_spec=np.array([30, 12, 7, 0], np.int32)))
+    keys, nxt = _step_keys(runner)
+    assert keys.tolist() == [9, -1, 5] and nxt.tolist() == [30, 12, 7] and nxt.dtype == np.int64
+    requests["c"].sampling_params.extra_args = {cs.KEY_ARG: 1}  # read once per request: the first key stays
+    assert _step_keys(runner)[0].tolist() == [9, -1, 5]
+    runner.input_batch.req_ids = ["b"]
+    assert _step_keys(runner) == (None, None)  # no keyed row: nothing to record
