@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from integrations.vllm_ext import coupled_sampling as cs
+from test_lazy_rejection import verify_draft_pairs  # pytest puts tests/ on sys.path
 
 
 def test_index_uniforms_are_deterministic_uniform_and_differ_between_neighbours():
@@ -77,31 +78,9 @@ PB = torch.tensor([-1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 0.0, 1.5])
 def _verify_keyed(pairs: int, keys: np.ndarray, next_index: np.ndarray):
     """vLLM's RejectionSampler with the fixes, on rows drafting [6, 3] (logits P0, P1, bonus PB)
     and rows without drafts (bonus PB), with the step's keys set as the model runner sets them."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
-    from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    drafts = [[6, 3], []] * pairs
-    meta = SpecDecodeMetadata.make_dummy(drafts, device="cpu")
-    batch = len(drafts)
-    per_row = torch.tensor([len(d) + 1 for d in drafts])
-    first = torch.cumsum(per_row, 0) - per_row
-    meta.target_logits_indices = torch.cat([first[i] + torch.arange(len(d)) for i, d in enumerate(drafts)]).to(torch.int32)
-    meta.bonus_logits_indices = (first + per_row - 1).to(torch.int32)
-    logits = torch.empty(int(per_row.sum()), VOCAB)
-    logits[meta.target_logits_indices.long()] = torch.stack([P0, P1] * pairs)
-    logits[meta.bonus_logits_indices.long()] = PB
-    sampling = SamplingMetadata(
-        temperature=torch.ones(batch), all_greedy=False, all_random=True, top_p=None, top_k=None, generators={},
-        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
-        presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
-        output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
-        logitsprocs=LogitsProcessors())
     cs.begin_step(keys, next_index)
     try:
-        return RejectionSampler(Sampler()).forward(meta, None, logits, sampling).sampled_token_ids
+        return verify_draft_pairs(pairs, P0, P1, PB)
     finally:
         cs.end_step()
 

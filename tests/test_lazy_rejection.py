@@ -201,11 +201,7 @@ def test_rejection_sampler_forward_samples_bonus_tokens_from_the_bonus_distribut
     # bonus distribution pb); given draft 6 accepted position 1 follows p1; given both accepted
     # the bonus token follows pb: the bonus is sampled after verification, only where used.
     _vllm_cpu_fixes()
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
     from vllm.v1.sample.rejection_sampler import RejectionSampler
-    from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
 
     assert getattr(RejectionSampler.forward, "__das_fix__", False)
     torch.manual_seed(5)
@@ -213,6 +209,32 @@ def test_rejection_sampler_forward_samples_bonus_tokens_from_the_bonus_distribut
     p0_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
     p1_logits = torch.tensor([0.0, 2.5, -1.0, 1.0, 0.0, 0.0, -2.0, 0.5])
     pb_logits = torch.tensor([-1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 0.0, 1.5])
+    out = verify_draft_pairs(pairs, p0_logits, p1_logits, pb_logits)
+    batch = 2 * pairs
+    assert out.shape == (batch, 3)
+    drafting, plain = out[0::2], out[1::2]
+    p0, p1, pb = p0_logits.softmax(-1), p1_logits.softmax(-1), pb_logits.softmax(-1)
+    checks = [(drafting[:, 0], p0), (drafting[drafting[:, 0] == 6, 1], p1), (plain[:, 0], pb)]
+    both = (drafting[:, 0] == 6) & (drafting[:, 1] == 3)
+    checks.append((drafting[both, 2], pb))
+    for tokens, probs in checks:
+        stat, dof = _chi2(torch.bincount(tokens.long(), minlength=vocab).float(), probs)
+        assert dof == 7 and stat < 30.0, (stat, dof)  # chi2(7) 99.99th percentile ~29.9
+    assert torch.all(drafting[~both, 2] == lazy.PLACEHOLDER_TOKEN_ID)
+    assert torch.all(plain[:, 1:] == lazy.PLACEHOLDER_TOKEN_ID)
+
+
+def verify_draft_pairs(pairs: int, p0_logits, p1_logits, pb_logits) -> torch.Tensor:
+    """vLLM's ``RejectionSampler.forward`` (with the fixes) on ``pairs`` pairs of rows: one drafting
+    [6, 3] (target logits ``p0_logits``, ``p1_logits``, bonus ``pb_logits``), one without drafts
+    (bonus ``pb_logits``). Returns its ``[2 * pairs, 3]`` sampled tokens."""
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    vocab = p0_logits.shape[0]
     drafts = [[6, 3], []] * pairs
     meta = SpecDecodeMetadata.make_dummy(drafts, device="cpu")
     batch = len(drafts)
@@ -229,15 +251,4 @@ def test_rejection_sampler_forward_samples_bonus_tokens_from_the_bonus_distribut
         presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
         output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
         logitsprocs=LogitsProcessors())
-    out = RejectionSampler(Sampler()).forward(meta, None, logits, sampling).sampled_token_ids
-    assert out.shape == (batch, 3)
-    drafting, plain = out[0::2], out[1::2]
-    p0, p1, pb = p0_logits.softmax(-1), p1_logits.softmax(-1), pb_logits.softmax(-1)
-    checks = [(drafting[:, 0], p0), (drafting[drafting[:, 0] == 6, 1], p1), (plain[:, 0], pb)]
-    both = (drafting[:, 0] == 6) & (drafting[:, 1] == 3)
-    checks.append((drafting[both, 2], pb))
-    for tokens, probs in checks:
-        stat, dof = _chi2(torch.bincount(tokens.long(), minlength=vocab).float(), probs)
-        assert dof == 7 and stat < 30.0, (stat, dof)  # chi2(7) 99.99th percentile ~29.9
-    assert torch.all(drafting[~both, 2] == lazy.PLACEHOLDER_TOKEN_ID)
-    assert torch.all(plain[:, 1:] == lazy.PLACEHOLDER_TOKEN_ID)
+    return RejectionSampler(Sampler()).forward(meta, None, logits, sampling).sampled_token_ids
