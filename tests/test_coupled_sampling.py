@@ -11,9 +11,9 @@ import types
 import numpy as np
 import pytest
 import torch
+from test_lazy_rejection import verify_draft_pairs  # pytest puts tests/ on sys.path
 
 from integrations.vllm_ext import coupled_sampling as cs
-from test_lazy_rejection import verify_draft_pairs  # pytest puts tests/ on sys.path
 
 
 def test_index_uniforms_are_deterministic_uniform_and_differ_between_neighbours():
