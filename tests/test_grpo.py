@@ -195,6 +195,30 @@ def test_greedy_training_curve_is_identical_with_and_without_das(tiny_model, tmp
     assert len(lines) == 4 and '"summary"' in lines[-1]
 
 
+@pytest.mark.engine
+def test_sampled_training_is_identical_with_and_without_das_when_coupled(peaked_tiny_model):
+    # coupled sampling: each rollout's token at each index is fixed by (seed, rollout, index), so
+    # at temperature 1 the same GRPO run samples the same rollouts, rewards and updates with DAS
+    # drafting (accepted and rejected drafts) as without speculation (float32: the same logits).
+    import torch
+
+    from integrations.rl.grpo import run
+
+    runs = {}
+    for method in ("none", "das"):
+        rec = _tiny_recipe(peaked_tiny_model, method, temperature=1.0)
+        rec["rollout"]["coupled_sampling"] = True
+        runs[method] = run(rec, reward_fn=_toy_reward, keep_rollouts=True)
+    a, b = runs["none"], runs["das"]
+    for sa, sb in zip(a.steps, b.steps, strict=True):
+        assert sa["rollouts"] == sb["rollouts"]
+        assert sa["rewards"] == sb["rewards"] and sa["loss"] == sb["loss"]
+    wa, wb = a.trainer.model.state_dict(), b.trainer.model.state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    assert sum(s["accepted_tokens"] for s in b.steps) > 0 and b.summary["acceptance_length"] > 1.0
+    assert a.steps[0]["rollouts"] != a.steps[1]["rollouts"]  # sampled, not greedy: steps differ
+
+
 def _ks_statistic(x, y) -> float:
     x, y = np.sort(np.asarray(x, float)), np.sort(np.asarray(y, float))
     grid = np.concatenate([x, y])

@@ -64,6 +64,7 @@ def test_recipe_overrides_and_errors():
     ("steps=abc", r"steps must be an int >= 1, got 'abc'"),
     ("rollout.top_p=0", r"rollout\.top_p"),
     ("rollout.dtype=fp8", r"rollout\.dtype"),
+    ("rollout.coupled_sampling=maybe", r"rollout\.coupled_sampling must be true or false, got 'maybe'"),
     ("rollout.max_model_len=100", r"max_model_len \(100\) must exceed rollout\.max_tokens"),
     ("reward.workers=0", r"reward\.workers"),
     ("reward.require_boxed=maybe", r"reward\.require_boxed must be true or false"),

@@ -398,7 +398,8 @@ def run(
             t_roll = time.perf_counter()
             batch = generate_rollouts(llm, [prompt_cache[i] for i in chosen], pids, samples=rec.rollout.samples,
                                       max_tokens=rec.rollout.max_tokens, temperature=rec.rollout.temperature, top_p=rec.rollout.top_p,
-                                      seed=rec.seed * 1_000_003 + step, draft_caps=caps, das=das)
+                                      seed=rec.seed * 1_000_003 + step, draft_caps=caps, das=das,
+                                      coupled=rec.rollout.coupled_sampling)
             t_score = time.perf_counter()
             texts = [tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in batch.rollouts]
             rewards = list(score([problems[chosen[r.group]] for r in batch.rollouts], texts))

@@ -98,6 +98,7 @@ class RolloutSection:
     top_p: float = 1.0
     dtype: str = "bfloat16"  # vLLM engine dtype
     max_model_len: int = 1024
+    coupled_sampling: bool = False  # key each rollout's sampling (integrations.vllm_ext.coupled_sampling)
 
 
 @dataclasses.dataclass
@@ -233,6 +234,7 @@ _RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("rollout", "top_p"): (lambda v: _is_num(v) and 0 < v <= 1, "a number in (0, 1]"),
     ("rollout", "dtype"): (lambda v: v in ("bfloat16", "float16", "float32", "auto"), "one of bfloat16, float16, float32, auto"),
     ("rollout", "max_model_len"): (lambda v: _is_int(v) and v >= 2, "an int >= 2"),
+    ("rollout", "coupled_sampling"): (lambda v: isinstance(v, bool), "true or false"),
     ("speculative", "method"): (lambda v: isinstance(v, str), "a string"),
     ("speculative", "num_speculative_tokens"): (lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
     ("speculative", "das"): (lambda v: isinstance(v, dict), "a mapping"),
