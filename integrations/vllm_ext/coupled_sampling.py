@@ -29,10 +29,13 @@ with probability ``p(x)``, and a rejected position emits a sample of ``p`` condi
 ``x``, i.e. the residual ``max(p - q, 0)`` normalised (Leviathan et al. 2023, Theorem 1).
 Uniforms have 53 bits.
 
-Rows without a key, greedy rows, per-request generators and fp64 Gumbel noise keep vLLM's
-behaviour. The token matches a plain engine's only where the logits match bit for bit: bf16
-matrix products on this CPU are batch-invariant, but attention over a multi-token query may round
-differently from a single-token one, and one flipped token changes the rest of the rollout.
+Rows without a key, greedy rows, per-request generators, fp64 Gumbel noise and speculative steps
+that vLLM's own rejection sampler handles (logprobs, draft probabilities) keep vLLM's behaviour.
+The token matches a plain engine's only where the logits match bit for bit: in bf16 a verification
+forward (several query tokens per row) rounds differently now and then from a plain one (about one
+flipped token per few hundred on the DSR-sub traces here; a one-row oneDNN product was seen 1 ulp
+off the same row in a batch), and one flipped token changes the rest of the rollout. In float32
+on the test model whole sampled runs match.
 """
 
 from __future__ import annotations

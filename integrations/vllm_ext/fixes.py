@@ -52,8 +52,8 @@ all accepted; those rows get the same tokens as before. Steps with logprobs, dra
 per-request generators run vLLM's code. It belongs upstream.
 
 7. Coupled sampling (:mod:`integrations.vllm_ext.coupled_sampling`). A request with a sample key
-(``extra_args["das_sample_key"]``) gets at token index ``i`` the Gumbel-max sample with seed
-``(key, i)``, in plain steps, in verification and for bonus tokens alike: the same rollout from a
+(``extra_args["das_sample_key"]``) gets at token index ``i`` the inverse-CDF sample of the target
+distribution at a uniform fixed by ``(key, i)``, in plain steps, in verification and for bonus tokens alike: the same rollout from a
 plain or a speculative engine, and on every rerun, wherever the logits are the same. The ``_sample``
 wrapper of fix 5 records the batch's keys and token counts for the samplers.
 """

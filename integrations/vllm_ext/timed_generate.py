@@ -164,7 +164,7 @@ def generate_rollouts(
     and the engine is stepped here until every request has finished. With ``coupled`` each request
     has a sample key from ``seed`` and its place in the queue
     (:func:`integrations.vllm_ext.coupled_sampling.rollout_key`): its token at index ``i`` is the
-    target's sample with seed ``(key, i)`` whatever the engine's speculation, so every method
+    target's inverse-CDF sample at a uniform fixed by ``(key, i)`` whatever the engine's speculation, so every method
     samples the same rollouts from one seed wherever its logits are the same.
 
     Args:
