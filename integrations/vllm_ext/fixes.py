@@ -140,8 +140,11 @@ def _plain_sampling_without_drafts(original):
 
 def _step_keys(runner) -> tuple[np.ndarray | None, np.ndarray | None]:
     """The input batch's sample keys (int64 ``[rows]``, -1: none) and verified token counts (the
-    index of each row's next token), or ``(None, None)`` when no row has a key. A request's key is
-    read once and kept on its state (request ids need not be unique across engines)."""
+    index of each row's next token), or ``(None, None)`` when no row has a key.
+
+    A request's key is read once, into a dict on the runner (request ids are unique per engine,
+    not across engines); a step whose engine has seen no keyed request costs one membership test
+    per row (every engine step runs this)."""
     from integrations.vllm_ext import coupled_sampling
 
     batch = runner.input_batch
@@ -149,15 +152,17 @@ def _step_keys(runner) -> tuple[np.ndarray | None, np.ndarray | None]:
     requests = getattr(runner, "requests", None)
     if not ids or requests is None:  # not a runner with requests: nothing to key
         return None, None
-    keys = np.empty(len(ids), np.int64)
-    for i, rid in enumerate(ids):
-        state = requests.get(rid)
-        key = getattr(state, "_das_sample_key", None)
-        if key is None:
-            key = coupled_sampling.request_key(getattr(state, "sampling_params", None))
-            if state is not None:
-                state._das_sample_key = key
-        keys[i] = key
+    known = runner.__dict__.setdefault("_das_sample_keys", {})
+    new = [rid for rid in ids if rid not in known]
+    if new:
+        if len(known) > 2 * len(requests) + 1024:  # drop finished requests now and then
+            known = runner._das_sample_keys = {rid: k for rid, k in known.items() if rid in requests}
+        for rid in new:
+            known[rid] = coupled_sampling.request_key(getattr(requests.get(rid), "sampling_params", None))
+        runner._das_keyed = any(k >= 0 for k in known.values())
+    if not runner.__dict__.get("_das_keyed", False):
+        return None, None
+    keys = np.fromiter((known[rid] for rid in ids), np.int64, len(ids))
     if not bool((keys >= 0).any()):
         return None, None
     return keys, np.asarray(batch.num_tokens_no_spec[: len(ids)], np.int64).copy()
