@@ -810,8 +810,7 @@ class DASDrafter:
         pt = self._ri[handles, kernels.R_PROBLEM_TREE]
         owner = np.where(pt >= 0, pt, self._ri[handles, kernels.R_REQUEST_TREE]) % parts
         stops = np.empty((parts, 3), np.int64)
-        kernels.add_batch_parallel(self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, owner, parts, stops)
-        self.parallel_calls += 1
+        self._on_threads(parts, kernels.add_batch_parallel, self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, owner, parts, stops)
         for p in range(parts):
             r, part, done = (int(x) for x in stops[p])
             if r < 0:
@@ -878,8 +877,7 @@ class DASDrafter:
                     self.max_depth, tokens, probs, lengths)
             parts = self._threads_for(rows)  # rows write only their own output row: any handles
             if parts > 1:
-                kernels.draft_batch_parallel(*args, parts)
-                self.parallel_calls += 1
+                self._on_threads(parts, kernels.draft_batch_parallel, *args, parts)
             else:
                 kernels.draft_batch(*args)
         return DraftBatch(tokens, probs, lengths)
@@ -893,10 +891,24 @@ class DASDrafter:
                 self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes,
                 self._dprev, self._dsup, self._dstop)  # self._gti: -1 without a global tree
         if parts > 1:
-            mixing.mix_batch_parallel(*args, parts)
-            self.parallel_calls += 1
+            self._on_threads(parts, mixing.mix_batch_parallel, *args, parts)
         else:
             mixing.mix_batch(*args)
+
+    def _on_threads(self, parts: int, kernel, *args) -> None:
+        """Call ``kernel(*args)``, a ``prange`` kernel over ``parts`` parts, with numba's team
+        cut to ``parts`` threads. Left alone, numba runs every parallel region on all of
+        its threads (one per CPU): on a 16-CPU GPU host 16 threads woke for 8 parts and spun
+        between steps (benchmarks/README.md, "Step cost")."""
+        import numba
+
+        team = numba.get_num_threads()
+        numba.set_num_threads(parts)
+        try:
+            kernel(*args)
+        finally:
+            numba.set_num_threads(team)
+        self.parallel_calls += 1
 
     def _threads_for(self, rows: int) -> int:
         """Threads for a batch call of ``rows`` rows: 1 below :data:`PARALLEL_ROWS` (waking

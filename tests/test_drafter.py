@@ -614,3 +614,26 @@ def test_batch_verbs_reject_bad_input_and_change_nothing(call, err, needle):
     with pytest.raises(err, match=needle):
         call(d, m)
     assert d.stats() == before and d.num_tokens(["r", "s"]).tolist() == [len(PROMPT)] * 2
+
+
+def test_threaded_kernels_run_on_a_team_of_their_parts():
+    """A batch verb's ``prange`` kernel runs with numba's team cut to its parts, and the caller's
+    team is back after it, also when the kernel raises (left alone, numba runs every parallel
+    region on all of its threads, one per CPU)."""
+    import numba
+
+    team = numba.get_num_threads()
+    if team < 2:
+        pytest.skip("numba has one thread on this machine")
+    d = DASDrafter(**PLAIN)
+    seen = []
+    d._on_threads(1, lambda *args: seen.append((numba.get_num_threads(), args)), "rows", 1)
+    assert seen == [(1, ("rows", 1))]
+    assert numba.get_num_threads() == team and d.parallel_calls == 1
+
+    def failing(*args):
+        raise RuntimeError("kernel failed")
+
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        d._on_threads(1, failing)
+    assert numba.get_num_threads() == team
