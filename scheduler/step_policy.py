@@ -48,9 +48,9 @@ def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, cal
     return choose_drafts(path_probs, plain, plain, c_tok, calibration)
 
 
-def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: float, per_draft_s: float,
+def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spec_base_s: float, per_draft_s: float,
                   calibration: float | np.ndarray = 1.0, prob_map: Callable[[np.ndarray], np.ndarray] | None = None,
-                  values: np.ndarray | None = None) -> np.ndarray:
+                  values: np.ndarray | None = None, lengths: np.ndarray | None = None) -> np.ndarray:
     """Throughput-optimal draft tokens per row when plain and speculative steps are priced apart.
 
     A step over ``B`` rows costs ``plain_s`` seconds without drafts and
@@ -61,7 +61,9 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
     ``(B + sum p) / (spec_base_s + per_draft_s * m)`` beats ``B / plain_s``.
 
     Args:
-        path_probs: per row, float path probabilities of its draft tokens (non-increasing).
+        path_probs: per row, float path probabilities of its draft tokens (non-increasing); or,
+            with ``lengths``, a float ``[rows, K]`` matrix whose row ``r`` holds them in its first
+            ``lengths[r]`` columns (a batched drafter's output, no per-row arrays to build).
         plain_s: seconds of the step without drafts (> 0).
         spec_base_s: seconds of the step with drafts, before the drafts' own cost (> 0).
         per_draft_s: seconds per draft token (>= 0).
@@ -75,12 +77,14 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
             (spec_base_s - plain_s)``, and drafts only when that is positive (a row's ``p v`` is
             non-increasing along it, so the best set is again a prefix of every row). None: the
             throughput rule above, which values every row's token at ``plain_s / B``.
+        lengths: int ``[rows]``, each in ``[0, K]``: the draft lengths when ``path_probs`` is a matrix.
 
     Returns:
         int64 ``[rows]``: leading draft tokens to keep per row.
 
     Raises:
-        ValueError: a non-positive time, negative ``per_draft_s`` or negative calibration.
+        ValueError: a non-positive time, negative ``per_draft_s`` or negative calibration; a
+            matrix that is not 2-D or ``lengths`` of the wrong shape or out of ``[0, K]``.
     """
     if not (plain_s > 0 and spec_base_s > 0):
         raise ValueError(f"plain_s and spec_base_s must be > 0 seconds, got {plain_s!r}, {spec_base_s!r}")
@@ -89,13 +93,24 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
     cal = np.asarray(calibration, np.float64)
     if np.any(cal < 0) or np.any(~np.isfinite(cal)):
         raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
-    rows = len(path_probs)
+    if lengths is None:
+        rows = len(path_probs)
+        lengths = np.fromiter((len(p) for p in path_probs), np.int64, rows)
+        matrix = None
+    else:
+        matrix, lengths = np.asarray(path_probs), np.asarray(lengths, np.int64)
+        if matrix.ndim != 2 or lengths.shape != matrix.shape[:1] or np.any(lengths < 0) or np.any(lengths > matrix.shape[1]):
+            raise ValueError(f"path_probs must be a [rows, K] matrix and lengths [rows] ints in [0, K], got shapes "
+                             f"{matrix.shape} and {lengths.shape}")
+        rows = matrix.shape[0]
     keep = np.zeros(rows, np.int64)
-    lengths = np.fromiter((len(p) for p in path_probs), np.int64, rows)
     if lengths.sum() == 0:
         return keep
     owner = np.repeat(np.arange(rows), lengths)
-    probs = np.concatenate([np.asarray(p, np.float64) for p in path_probs])
+    if matrix is None:
+        probs = np.concatenate([np.asarray(p, np.float64) for p in path_probs])
+    else:  # row-major, so in the order of the list form
+        probs = matrix[np.arange(matrix.shape[1]) < lengths[:, None]].astype(np.float64)
     if prob_map is not None:
         probs = np.asarray(prob_map(probs), np.float64)
     probs = np.clip(probs * (cal[owner] if cal.ndim else cal), 0.0, 1.0)
@@ -109,16 +124,14 @@ def choose_drafts(path_probs: list[np.ndarray], plain_s: float, spec_base_s: flo
         best = int(np.argmax(net))
         if net[best] <= 0:
             return keep
-        np.add.at(keep, owner[order[: best + 1]], 1)
-        return keep
+        return np.bincount(owner[order[: best + 1]], minlength=rows).astype(np.int64)
     order = np.argsort(-probs, kind="stable")
     gain = rows + np.cumsum(probs[order])  # expected tokens with the top m+1 drafts
     rate = gain / (spec_base_s + per_draft_s * np.arange(1, len(order) + 1))
     best = int(np.argmax(rate))
     if rate[best] <= rows / plain_s:  # no draft at all beats every choice
         return keep
-    np.add.at(keep, owner[order[: best + 1]], 1)
-    return keep
+    return np.bincount(owner[order[: best + 1]], minlength=rows).astype(np.int64)
 
 
 def drafting_can_pay(rows: int, max_drafts: int, plain_s: float, spec_base_s: float, per_draft_s: float, best_prob: float,

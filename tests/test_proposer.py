@@ -262,10 +262,14 @@ def test_a_request_with_bad_options_loses_only_its_own_draft(bad):
 def test_warm_up_and_exploration_drafts_are_bounded_and_go_to_the_likeliest_rows():
     from integrations.vllm_ext.proposer import _likeliest_rows
 
-    probs = [np.array([0.2, 0.9], np.float32), np.empty(0, np.float32), np.array([0.9] * 6, np.float32), np.array([0.5] * 3, np.float32)]
-    assert _likeliest_rows(probs, per_row=4, total=5).tolist() == [0, 0, 4, 1]  # 4 on the likeliest, the rest to the next
-    assert _likeliest_rows(probs, per_row=1, total=1).tolist() == [0, 0, 1, 0]
-    assert _likeliest_rows(probs, per_row=4, total=100).tolist() == [2, 0, 4, 3]  # never more than a row has
+    rows = [[0.2, 0.9], [], [0.9] * 6, [0.5] * 3]
+    lengths = np.array([len(r) for r in rows], np.int64)
+    probs = np.zeros((4, 6), np.float32)
+    for i, r in enumerate(rows):
+        probs[i, : len(r)] = r
+    assert _likeliest_rows(probs, lengths, per_row=4, total=5).tolist() == [0, 0, 4, 1]  # 4 on the likeliest, the rest to the next
+    assert _likeliest_rows(probs, lengths, per_row=1, total=1).tolist() == [0, 0, 1, 0]
+    assert _likeliest_rows(probs, lengths, per_row=4, total=100).tolist() == [2, 0, 4, 3]  # never more than a row has
 
 
 def test_cost_budget_warm_up_step_drafts_a_quarter_of_a_large_batch():

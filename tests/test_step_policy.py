@@ -43,3 +43,30 @@ def test_bad_costs_are_named():
     with pytest.raises(ValueError, match="c_tok"):
         select_drafts([np.ones(1)], 0.1, -1.0)
 
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_draft_matrix_chooses_what_the_per_row_list_chooses(seed):
+    """The batched proposer hands the drafter's ``[rows, K]`` output with its lengths (no per-row
+    arrays); both forms keep the same tokens, for the throughput and the saving rule."""
+    from scheduler.step_policy import choose_drafts
+
+    rng = np.random.default_rng(seed)
+    rows, k = 40, 8
+    lengths = rng.integers(0, k + 1, rows)
+    lengths[rng.integers(0, rows, 5)] = 0
+    matrix = np.full((rows, k), 7.0, np.float32)  # beyond a row's length: junk that must be ignored
+    per_row = []
+    for r in range(rows):
+        p = np.cumprod(rng.uniform(0.3, 1.0, lengths[r])).astype(np.float32)
+        matrix[r, : lengths[r]] = p
+        per_row.append(p)
+    cal = rng.uniform(0.5, 1.5, rows)
+    values = rng.uniform(0.0, 0.05, rows)
+    for kw in ({}, {"values": values}):
+        want = choose_drafts(per_row, 0.05, 0.051, 0.0002, cal, **kw)
+        got = choose_drafts(matrix, 0.05, 0.051, 0.0002, cal, lengths=lengths, **kw)
+        assert got.dtype == np.int64 and got.tolist() == want.tolist()
+        assert want.sum() > 0 and np.all(got <= lengths)
+    with pytest.raises(ValueError, match="lengths"):
+        choose_drafts(matrix, 0.05, 0.052, 0.001, lengths=lengths + k)

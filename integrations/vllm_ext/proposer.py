@@ -75,7 +75,6 @@ from das.config import BUDGET_KEYS as _BUDGET_KEYS
 from das.config import DRAFTER_KEYS as _DRAFTER_KEYS
 from das.config import das_config
 from das.drafter import DASDrafter
-from das.suffix_tree import Draft
 from integrations.vllm_ext import fixes as vllm_fixes
 from scheduler.budgets import names as budget_names
 from scheduler.calibration import AcceptanceCalibration
@@ -183,22 +182,23 @@ def _find_model_runner() -> Any | None:
 
 
 
-def _likeliest_rows(probs: list[np.ndarray], per_row: int, total: int) -> np.ndarray:
+def _likeliest_rows(probs: np.ndarray, lengths: np.ndarray, per_row: int, total: int) -> np.ndarray:
     """Draft tokens to keep per row: up to ``per_row`` on the rows whose first draft token is likeliest, ``total`` at most.
 
     Args:
-        probs: per row, the draft's token probabilities (float32, possibly empty).
+        probs: float32 ``[rows, K]`` path probabilities, the first ``lengths[r]`` of row ``r``.
+        lengths: int64 ``[rows]`` draft lengths.
         per_row, total: caps in tokens.
 
     Returns:
         int64 array of kept draft tokens per row.
     """
-    keep = np.zeros(len(probs), np.int64)
-    first = np.array([p[0] if len(p) else -1.0 for p in probs], np.float64)
-    for row in np.argsort(-first, kind="stable"):
+    keep = np.zeros(lengths.shape[0], np.int64)
+    first = np.where(lengths > 0, probs[:, 0], -1.0) if probs.shape[1] else np.full(lengths.shape[0], -1.0)
+    for row in np.argsort(-first, kind="stable").tolist():
         if total <= 0 or first[row] < 0:
             break
-        keep[row] = min(per_row, len(probs[row]), total)
+        keep[row] = min(per_row, int(lengths[row]), total)
         total -= keep[row]
     return keep
 
@@ -313,43 +313,51 @@ class DASProposer:
         return drafts
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
+        # One pass of light Python per row (its request's bookkeeping); the drafter's work, the
+        # step's draft selection and the outputs are done on arrays for all rows at once.
         now = time.perf_counter()
         batch = self.runner.input_batch
         requests = self.runner.requests
         drafter = self.drafter
         rows = len(sampled_token_ids)
+        req_ids = batch.req_ids
+        counts = num_tokens_no_spec[:rows].tolist()  # Python ints, read once
+        live_reqs = self._reqs
         reqs: list[_Req | None] = [None] * rows  # rows that may draft this step
-        budgets = np.zeros(rows, np.int64)
+        live = np.zeros(rows, bool)
         clean = rows > 0  # every row decoded last step too: the step time is a fit sample
         step_tokens = context_tokens = 0  # tokens in the forward pass that just ran, KV tokens it read
         step_accepted = 0  # draft tokens the forward pass that just ran accepted
         step_predicted = 0.0  # what the calibrated probabilities of its drafts predicted for that (step log)
         grown_rows, grown_from, grown_to = [], [], []  # rows whose verified tokens go to the drafter
         verified_probs, verified_accepted = [], []  # last step's drafts and how many of each were accepted
+        ema_accepted, ema_predicted = self._accepted, self._predicted
         for row, sampled in enumerate(sampled_token_ids):
-            req_id = batch.req_ids[row]
-            num_tokens = int(num_tokens_no_spec[row])
-            req = self._reqs.get(req_id)
+            req_id = req_ids[row]
+            num_tokens = counts[row]
+            req = live_reqs.get(req_id)
             if req is None:
                 req = self._start(req_id, row, requests, token_ids_cpu)
                 clean = False
             if not req.tracked:  # a request with bad options: never drafts, leaves nothing in the drafter
                 req.seen = num_tokens
                 continue
-            if num_tokens > req.seen:  # verified tokens since last step (more after a preemption)
-                gained = num_tokens - req.seen
-                if req.last_len and gained <= req.last_len + 1:
+            seen = req.seen
+            if num_tokens > seen:  # verified tokens since last step (more after a preemption)
+                gained = num_tokens - seen
+                last_len = req.last_len
+                if last_len and gained <= last_len + 1:
                     if req.last_probs is not None:
                         verified_probs.append(req.last_probs)
                         verified_accepted.append(gained - 1)
                     req.accepted += gained - 1
                     req.predicted += req.last_psum
-                    self._accepted = 0.99 * self._accepted + (gained - 1)
-                    self._predicted = 0.99 * self._predicted + req.last_psum
+                    ema_accepted = 0.99 * ema_accepted + (gained - 1)
+                    ema_predicted = 0.99 * ema_predicted + req.last_psum
                     step_accepted += gained - 1
                     step_predicted += req.last_psum
                 grown_rows.append(row)
-                grown_from.append(req.seen)
+                grown_from.append(seen)
                 grown_to.append(num_tokens)
                 req.seen = num_tokens
             step_tokens += 1 + req.last_len
@@ -359,18 +367,21 @@ class DASProposer:
                 continue
             req.steps += 1
             reqs[row] = req
-            budgets[row] = min(self.k, self.max_model_len - num_tokens - 1)
+            live[row] = True
+        self._accepted, self._predicted = ema_accepted, ema_predicted
         if grown_rows:  # one numba call inserts every row's verified tokens
             ends = np.array(grown_to, np.int64)
             # Row i of the matrix must be grown_rows[i]: token_ids_cpu itself when they are 0..n-1.
             aligned = grown_rows[-1] == len(grown_rows) - 1
             tokens = token_ids_cpu if aligned else token_ids_cpu[grown_rows, : int(ends.max())]
-            drafter.add_tokens_batch([batch.req_ids[r] for r in grown_rows], tokens, np.array(grown_from, np.int64), ends)
+            drafter.add_tokens_batch([req_ids[r] for r in grown_rows], tokens, np.array(grown_from, np.int64), ends)
         if verified_probs:
             lens = np.fromiter((len(p) for p in verified_probs), np.int64, len(verified_probs))
             position = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
             self.acceptance.observe(np.concatenate(verified_probs), position < np.repeat(np.array(verified_accepted), lens))
         self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted, step_predicted)
+        counts_arr = np.asarray(num_tokens_no_spec[:rows], np.int64)
+        budgets = np.where(live, np.minimum(self.k, self.max_model_len - counts_arr - 1), 0)
         budgets = np.minimum(budgets, self._request_caps(reqs))
         if self.budget == "none":  # the speculative path and the inserts with no drafts: their cost alone
             budgets[:] = 0
@@ -383,48 +394,52 @@ class DASProposer:
             self.stats.skipped_steps += 1
             self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
-        drafts = self._speculate(reqs, budgets, batch.req_ids)
-        keep = self._step_budget(drafts, prices, cal, values)
-        out: list[list[int]] = []
-        offered: list[tuple[_Req, np.ndarray]] = []  # rows whose draft goes out, and its kept probabilities
-        for row, draft in enumerate(drafts):
+        tokens, probs, lengths = self._speculate(live, budgets, req_ids)
+        keep = self._step_budget(probs, lengths, prices, cal, values)
+        n = lengths if keep is None else np.minimum(keep, lengths)
+        out: list[list[int]] = [[] for _ in range(rows)]
+        drafting = np.flatnonzero(n)
+        total = int(n.sum())
+        self._last_drafted += total
+        self.stats.drafts += drafting.shape[0]
+        self.stats.draft_tokens += total
+        for row in np.flatnonzero(live & (n == 0)).tolist():  # live rows without a draft this step
             req = reqs[row]
-            n = 0 if draft is None else (len(draft.tokens) if keep is None else int(keep[row]))
-            if req is not None:
-                req.last_len = n
-                req.last_probs = draft.probs[:n] if n else None
-                req.last_psum = 0.0
-                req.drafted += n
-                if n:
-                    offered.append((req, req.last_probs))
-            self._last_drafted += n
-            if n == 0:
-                out.append([])
-                continue
-            self.stats.drafts += 1
-            self.stats.draft_tokens += n
-            out.append(draft.tokens[:n].tolist())
-        if offered:  # expected accepted tokens per row: calibrated probabilities, one call for the step
-            lens = np.fromiter((len(p) for _, p in offered), np.int64, len(offered))
-            sums = np.add.reduceat(self.acceptance(np.concatenate([p for _, p in offered])), np.cumsum(lens) - lens)
-            for (req, _), psum in zip(offered, sums.tolist()):
-                req.last_psum = psum
+            req.last_len = 0
+            req.last_probs = None
+            req.last_psum = 0.0
+        if drafting.shape[0]:
+            # a row's kept tokens and probabilities, and their calibrated sum (expected accepted tokens)
+            ns = n[drafting]
+            kept = probs[drafting][np.arange(probs.shape[1]) < ns[:, None]]
+            sums = np.add.reduceat(self.acceptance(kept), np.cumsum(ns) - ns).tolist()
+            ns = ns.tolist()
+            for i, (row, k, toks) in enumerate(zip(drafting.tolist(), ns, tokens[drafting].tolist())):
+                out[row] = toks[:k]
+                req = reqs[row]
+                req.last_len = k
+                req.last_probs = probs[row, :k]
+                req.last_psum = sums[i]
+                req.drafted += k
         if len(self._reqs) > len(requests):
             self._release_finished(requests)
         return out
 
-    def _speculate(self, reqs: list, budgets: np.ndarray, req_ids: list) -> list[Draft | None]:
-        """Every drafting row's draft from one batched drafter call (None for rows that do not draft)."""
-        rows = [row for row in range(len(reqs)) if reqs[row] is not None and budgets[row] > 0]
-        drafts: list[Draft | None] = [None] * len(reqs)
-        if not rows:
-            return drafts
-        found = self.drafter.speculate_batch([req_ids[row] for row in rows], budgets[rows])
-        for i, row in enumerate(rows):
-            n = int(found.lengths[i])
-            if n:
-                drafts[row] = Draft(found.tokens[i, :n], found.probs[i, :n], 0.0, 0)
-        return drafts
+    def _speculate(self, live: np.ndarray, budgets: np.ndarray, req_ids: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every drafting row's draft from one batched drafter call: ``(tokens int32[rows, K], probs
+        float32[rows, K], lengths int64[rows])``, length 0 for rows that do not draft."""
+        rows = live.shape[0]
+        sub = np.flatnonzero(live & (budgets > 0))
+        if not sub.shape[0]:
+            return np.empty((rows, 0), np.int32), np.empty((rows, 0), np.float32), np.zeros(rows, np.int64)
+        found = self.drafter.speculate_batch([req_ids[row] for row in sub.tolist()], budgets[sub])
+        if sub.shape[0] == rows:
+            return found.tokens, found.probs, found.lengths
+        tokens = np.full((rows, found.tokens.shape[1]), -1, np.int32)
+        probs = np.zeros((rows, found.probs.shape[1]), np.float32)
+        lengths = np.zeros(rows, np.int64)
+        tokens[sub], probs[sub], lengths[sub] = found.tokens, found.probs, found.lengths
+        return tokens, probs, lengths
 
     def _start(self, req_id: str, row: int, requests: dict, token_ids_cpu: np.ndarray) -> _Req:
         """Bookkeeping for a request seen for the first time; a request with bad options is isolated.
@@ -587,22 +602,24 @@ class DASProposer:
         plain = max(self.regimes.plain(rows), 1e-9)
         return plain, max(c["c_base"] + c["c_spec"] + c["c_row"] * rows, 1e-9), c["c_draft"]
 
-    def _step_budget(self, drafts: list, prices: tuple | None, cal: np.ndarray | None, values: np.ndarray | None = None) -> np.ndarray | None:
-        """Per-row number of draft tokens to keep (``cost`` and ``makespan`` budgets), or None to keep every draft."""
+    def _step_budget(self, probs: np.ndarray, lengths: np.ndarray, prices: tuple | None, cal: np.ndarray | None,
+                     values: np.ndarray | None = None) -> np.ndarray | None:
+        """Per-row number of draft tokens to keep (``cost`` and ``makespan`` budgets), or None to keep every draft.
+
+        ``probs``: float32 ``[rows, K]`` path probabilities, the first ``lengths[r]`` of row ``r``."""
         if self.budget not in PRICED:
             return None  # other budgets were applied per request
-        empty = np.empty(0, np.float32)
-        probs = [empty if d is None else d.probs for d in drafts]
         # Warm-up and exploration steps draft without prices: keep them cheap at any batch size
         # (a draft token costs about what a row costs where the forward is compute-bound, so 4
         # tokens on each of 64 rows made a warm-up step cost ~4 plain steps on an AVX2 CPU).
+        rows = lengths.shape[0]
         if prices is None:  # warm-up drafting step: up to 4 tokens per row on the likeliest rows, rows // 4 tokens in all
-            return _likeliest_rows(probs, per_row=4, total=max(4, len(probs) // 4))
+            return _likeliest_rows(probs, lengths, per_row=4, total=max(4, rows // 4))
         if self._exploring:  # exploration step: the first draft token of the likeliest rows
             self._exploring = False
-            return _likeliest_rows(probs, per_row=1, total=max(1, len(probs) // 8))
+            return _likeliest_rows(probs, lengths, per_row=1, total=max(1, rows // 8))
         self.stats.fitted_steps += 1
-        return choose_drafts(probs, *prices, cal, prob_map=self.acceptance, values=values)
+        return choose_drafts(probs, *prices, cal, prob_map=self.acceptance, values=values, lengths=lengths)
 
     def _values(self, reqs: list) -> np.ndarray | None:
         """``makespan`` budget: seconds one accepted draft token saves, per row (:mod:`scheduler.makespan`).
