@@ -10,7 +10,13 @@ appends the tokens its last verification accepted, then drafts up to K tokens. M
   for each row, from Python;
 * ``batch`` (new): ``add_tokens_batch(req_ids, token_ids, None, ends)`` (``starts=None``: from
   the drafter's own token counts) and ``speculate_batch(req_ids, budgets)``: two calls, whatever
-  the number of rows.
+  the number of rows;
+* ``proposer`` (``--paths proposer``): the engine's own caller,
+  :class:`integrations.vllm_ext.proposer.DASProposer` with the ``fixed`` budget, fed each step
+  as vLLM's model runner feeds it (``propose(sampled_token_ids, num_tokens_no_spec,
+  token_ids_cpu)`` with a stand-in runner's ``input_batch`` and ``requests``): the batch verbs
+  plus the proposer's own Python per row (bookkeeping, draft selection, the output lists), and the
+  requests it starts and stops inside the call. The same drafts as ``batch``.
 
 The workload: the trace's last iteration is the one being generated, the earlier iterations are
 its problems' history (``add_rollout``, one policy version each). ``rows`` requests run at once;
@@ -33,7 +39,7 @@ path drafts on the drafter's ``draft_threads`` (default: this machine's physical
 
 JSON (``--json``): ``{"rows": {"256": {"p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms",
 "mean_ms", "steps", ..., "per_row": {same keys}}}, "trace": ..., "machine": ..., "draft_threads": ...}``: the top-level
-keys of a row count are the batch path's; ``per_row`` holds the old path's.
+keys of a row count are the batch path's; ``per_row`` and ``proposer`` hold those paths' (when run).
 """
 
 from __future__ import annotations
@@ -56,7 +62,8 @@ from das.drafter import PARALLEL_ROWS
 
 DEFAULT_ROWS = (16, 64, 256, 1024)
 DEFAULT_K = 16
-PATHS = ("per_row", "batch")
+PATHS = ("per_row", "batch", "proposer")
+DEFAULT_PATHS = ("per_row", "batch")  # ``proposer`` imports vLLM (seconds): asked for by name
 QUEUE = 3  # rollouts queued per row: the run ends when the queue runs dry (about 300 steps on DSR-sub)
 RECORD_HINT = (".venv/bin/das-rollout --data ../shared/data/dsr_sub.parquet --method none --compare '' "
                "--iterations 2 --prompts 16 --samples 8 --max-tokens 384 "
@@ -111,8 +118,26 @@ class Workload:
         return d
 
 
+def stand_in_proposer(drafter, k: int, max_model_len: int):
+    """A :class:`DASProposer` (``fixed`` budget, K = ``k``) around ``drafter``, with a stand-in
+    model runner: the attributes of vLLM's runner that the proposer reads (``input_batch.req_ids``,
+    ``input_batch.num_prompt_tokens``, ``requests[req_id].sampling_params``)."""
+    from types import SimpleNamespace
+
+    from integrations.vllm_ext.proposer import DASProposer
+
+    cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
+                          model_config=SimpleNamespace(max_model_len=max_model_len), additional_config={"das": {"budget": "fixed"}})
+    runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], num_prompt_tokens=None), requests={})
+    prop = DASProposer(cfg, runner=runner)
+    prop.drafter = drafter
+    return prop, runner
+
+
 def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the engine steps of ``work`` through one path; returns per-step times (ns) and counts."""
+    from types import SimpleNamespace
+
     d = work.drafter(**(config or {}))
     R = work.rows
     tok = np.zeros((R, work.width), np.int32)  # as vLLM's token_ids_cpu: row r = its request's tokens
@@ -132,6 +157,21 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
     steps = 0
     tokens = 0
     cols = np.arange(k)
+    prompt_len = np.zeros(R, np.int64)
+    if path == "proposer":
+        prop, runner = stand_in_proposer(d, k, work.width + k + 2)
+        runner.input_batch.num_prompt_tokens = prompt_len
+        appended = [0]
+        add_batch = d.add_tokens_batch
+
+        def timed_add(*args, **kwargs):  # the appending part of the proposer's step
+            a0 = perf()
+            try:
+                return add_batch(*args, **kwargs)
+            finally:
+                appended[0] += perf() - a0
+
+        d.add_tokens_batch = timed_add
 
     def start(r: int) -> bool:
         nonlocal nxt
@@ -144,7 +184,11 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
         tok[r, :n] = full
         tok[r, n:] = 0
         length[r] = n
-        d.start_request(rid, prompt, problem_id=pid)
+        prompt_len[r] = prompt.shape[0]
+        if path == "proposer":  # the proposer starts it in the drafter when it first sees its row
+            runner.requests[rid] = SimpleNamespace(sampling_params=SimpleNamespace(extra_args={"das_problem_id": pid}, max_tokens=None))
+        else:
+            d.start_request(rid, prompt, problem_id=pid)
         rids[r] = rid
         num[r] = prompt.shape[0] + 1  # prefill samples the first output token, no draft
         seen[r] = prompt.shape[0]
@@ -181,6 +225,18 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
                     n = dr.tokens.shape[0]
                     drafts[r, :n] = dr.tokens
                     dlen[r] = n
+            elif path == "proposer":
+                runner.input_batch.req_ids = list(rids)
+                sampled = [tok[r, seen[r] : num[r]].tolist() for r in range(R)]  # what vLLM's sampler gives it
+                appended[0] = 0
+                w0, c0 = perf(), cpu()
+                out = prop.propose(sampled, num, tok)
+                c1, w1 = cpu(), perf()
+                wa = w0 + appended[0]
+                drafts[:] = -1
+                for r, dr in enumerate(out):
+                    drafts[r, : len(dr)] = dr
+                    dlen[r] = len(dr)
             else:
                 w0, c0 = perf(), cpu()
                 d.add_tokens_batch(rids, tok, None, num)
@@ -200,7 +256,10 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
                 t0 = perf()
                 ok = True
                 for r in done.tolist():
-                    d.stop_request(rids[r])
+                    if path == "proposer":  # the proposer stops it at its next call (timed in the step)
+                        del runner.requests[rids[r]]
+                    else:
+                        d.stop_request(rids[r])
                     ok = start(r) and ok
                 life_ns += perf() - t0
                 if not ok:
@@ -233,7 +292,7 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
     }
 
 
-def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=PATHS,
+def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=DEFAULT_PATHS,
             config: dict[str, Any] | None = None) -> dict[str, Any]:
     work = Workload(iterations, rows)
     runs: dict[str, list] = {p: [] for p in paths}
@@ -246,15 +305,16 @@ def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=P
         raise AssertionError(f"the paths drafted differently (steps per run: {steps})")
     out = {p: summarize(rs, rows) for p, rs in runs.items()}
     res = dict(out.get("batch", {}))
-    if "per_row" in out:
-        res["per_row"] = out["per_row"]
+    for p in ("per_row", "proposer"):
+        if p in out:
+            res[p] = out[p]
     res["rows"] = rows
     res["problems"] = len({pid for pid, _, _ in work.pool})
     res["queued_rollouts"] = len(work.pool)
     return res
 
 
-def warm_up(iterations, k: int, paths=PATHS, config: dict[str, Any] | None = None) -> None:
+def warm_up(iterations, k: int, paths=DEFAULT_PATHS, config: dict[str, Any] | None = None) -> None:
     """Load every kernel (numba's disk cache) and the typed-list code before timing."""
     small = [rs[:8] for rs in iterations]
     for p in paths:
@@ -287,7 +347,7 @@ def format_table(report: dict[str, Any]) -> str:
 
     rows = []
     for key, e in report["rows"].items():
-        entries = [("per_row", e.get("per_row")), ("batch", e if "p50_ms" in e else None)]
+        entries = [("per_row", e.get("per_row")), ("batch", e if "p50_ms" in e else None), ("proposer", e.get("proposer"))]
         for name, x in entries:
             if not x:
                 continue
@@ -315,7 +375,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=DEFAULT_K, help="draft budget per row and step (K)")
     p.add_argument("--max-steps", type=int, default=400, help="engine steps per run at most")
     p.add_argument("--repeats", type=int, default=3, help="runs per path, interleaved (a step's time: its fastest)")
-    p.add_argument("--paths", default=",".join(PATHS), help="per_row, batch or both")
+    p.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="some of per_row, batch, proposer (comma-separated)")
     p.add_argument("--das", default=None, help="JSON of DASDrafter settings (e.g. '{\"chooser\": \"walk\"}'); default: the defaults")
     p.add_argument("--json", default=None, help="write the report here")
     return p.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
 from benchmarks.replay import load_trace
 from benchmarks.step_cost import Workload, main, simulate
@@ -49,3 +50,17 @@ def test_report(tmp_path, capsys):
     assert e["p99_ms"] >= e["p50_ms"] > 0
     assert "per_row" in capsys.readouterr().out
     assert main(["--trace", str(tmp_path / "missing.parquet")]) == 2
+
+
+@pytest.mark.slow
+def test_the_proposer_path_drives_the_engines_proposer_through_the_same_steps(tmp_path):
+    """``--paths proposer`` feeds :class:`DASProposer` as vLLM's runner does (the drafter's
+    requests started and stopped by the proposer itself) and drafts what the batch verbs draft:
+    the same steps and tokens (rows finish one step later in the drafter, as in the engine, so
+    the trees differ only by that)."""
+    iterations = load_trace(_trace(tmp_path))
+    work = Workload(iterations, rows=8)
+    batch, prop = (simulate(work, path, k=8, max_steps=50) for path in ("batch", "proposer"))
+    assert prop["steps"] == batch["steps"] > 0 and prop["tokens"] == batch["tokens"]
+    assert prop["drafter"]["requests"] == batch["drafter"]["requests"] == 8  # the proposer stopped every finished one
+    assert np.all(prop["add_ns"] <= prop["wall_ns"])
