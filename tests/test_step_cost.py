@@ -56,8 +56,8 @@ def test_report(tmp_path, capsys):
 def test_the_proposer_path_drives_the_engines_proposer_through_the_same_steps(tmp_path):
     """``--paths proposer`` feeds :class:`DASProposer` as vLLM's runner does (the drafter's
     requests started and stopped by the proposer itself) and drafts what the batch verbs draft:
-    the same steps and tokens (rows finish one step later in the drafter, as in the engine, so
-    the trees differ only by that)."""
+    on this workload the same steps and tokens (a finished request leaves the drafter one step
+    later, at the proposer's next call, which can change a later draft on larger ones)."""
     iterations = load_trace(_trace(tmp_path))
     work = Workload(iterations, rows=8)
     batch, prop = (simulate(work, path, k=8, max_steps=50) for path in ("batch", "proposer"))
