@@ -51,7 +51,8 @@ Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slo
 :func:`locus_continuations`, :func:`draft_context`, :func:`draft_sequence`,
 :func:`fill_hash_table`; for a request's trees at once :func:`append_tokens_trees` and
 :func:`draft_two_trees`; for all rows of an engine step :func:`check_batch`, :func:`add_batch`
-(:func:`add_batch_parallel` on several threads, :func:`add_batch_global` for the global tree)
+(:func:`add_batch_global` for the global tree; both on several threads, with the mixer's
+learning, in :func:`das._step_kernels.insert_batch_parallel`)
 and :func:`draft_batch` (:func:`draft_batch_parallel` on several threads). Python side:
 :func:`buffer_layout` and :func:`buffer_views`. Other numba code may build on
 :func:`borrowed_views` and :func:`greedy_walk`.
@@ -1090,29 +1091,6 @@ def _add_row(trees, ri, rw, h, tokens, starts, ends, r):
         if d < n:
             return 1, d
     return -1, 0
-
-
-@njit(cache=True, parallel=True)
-def add_batch_parallel(trees, ri, rw, handles, tokens, starts, ends, owner, parts, stops):
-    """:func:`add_batch` on ``parts`` threads: part ``p`` appends the rows with ``owner[r] == p``
-    in order. Rows that share a tree must share a part (the caller gives each row its problem
-    tree's part, or its request tree's when it has no problem tree), so no two threads touch
-    one tree (``owner``: ``int64[rows]`` in ``[0, parts)``). A part stops at its first row whose
-    tree ran short of capacity: ``stops[p] = (row, part, done)`` (``stops``: ``int64[parts, 3]``) as
-    :func:`add_batch` returns (``row`` -1: the part finished); its later
-    rows are left to the caller."""
-    rows = handles.shape[0]
-    for p in prange(parts):
-        stops[p, 0] = -1
-        for r in range(rows):
-            if owner[r] != p:
-                continue
-            part, d = _add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
-            if part >= 0:
-                stops[p, 0] = r
-                stops[p, 1] = part
-                stops[p, 2] = d
-                break
 
 
 @njit(cache=True)

@@ -54,6 +54,7 @@ from typing import NamedTuple
 import numpy as np
 
 from das import _mix_kernels as mixing
+from das import _step_kernels as step_kernels
 from das import _trie_kernels as kernels
 from das.config import CHOOSERS, DEFAULTS
 from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree, as_tokens, empty_draft
@@ -771,19 +772,18 @@ class DASDrafter:
         code, r, c = kernels.check_batch(tokens, starts, ends)
         if code:
             raise ValueError(_batch_error(code, r, c, tokens, starts, ends))
-        self._learn(handles, tokens, starts, ends)
         parts = self._threads_for(rows)
         if parts > 1:
-            self._add_rows_parallel(handles, tokens, starts, ends, parts)
+            self._insert_parallel(handles, tokens, starts, ends, parts)
         else:
+            self._learn(handles, tokens, starts, ends)
             self._add_rows(handles, tokens, starts, ends)
-        if self._global is not None:
-            self._add_rows_global(handles, tokens, starts, ends)
+            if self._global is not None:
+                self._add_rows_global(handles, tokens, starts, ends)
         return ends - starts
 
-    def _add_rows_global(self, handles, tokens, starts, ends) -> None:
-        """Append the rows to their requests' live sequences in the global tree (one thread)."""
-        row = 0
+    def _add_rows_global(self, handles, tokens, starts, ends, row: int = 0) -> None:
+        """Append the rows from ``row`` on to their requests' live sequences in the global tree (one thread)."""
         while row < handles.shape[0]:
             r, done = kernels.add_batch_global(self._global.buffer, self._ri, handles, tokens, starts, ends, row)
             if r < 0:
@@ -802,15 +802,26 @@ class DASDrafter:
             self._finish_row(self._hreq[handles[r]], tokens[r, starts[r] : ends[r]], part, done)
             row = r + 1
 
-    def _add_rows_parallel(self, handles, tokens, starts, ends, parts: int) -> None:
-        """:meth:`_add_rows` on ``parts`` threads: rows are split by problem tree (a row without
-        one by its request tree), so each tree is appended to by one thread, in row order. A part
-        whose tree ran short stops there; that row is finished here and the part's later rows
-        are appended on one thread."""
+    def _insert_parallel(self, handles, tokens, starts, ends, parts: int) -> None:
+        """The learning, :meth:`_add_rows` and :meth:`_add_rows_global` on ``parts`` threads, at
+        once (:func:`das._step_kernels.insert_batch_parallel`; they touch disjoint memory, so the
+        result is the serial one). Rows are split by problem tree (a row without one by its
+        request tree), so each tree is appended to by one thread, in row order; the global tree's
+        appends run on the last part, the learning on the first. A part whose tree ran short
+        stops there; that row is finished here and the part's later rows are appended on one
+        thread (the global tree's likewise)."""
         pt = self._ri[handles, kernels.R_PROBLEM_TREE]
         owner = np.where(pt >= 0, pt, self._ri[handles, kernels.R_REQUEST_TREE]) % parts
         stops = np.empty((parts, 3), np.int64)
-        self._on_threads(parts, kernels.add_batch_parallel, self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, owner, parts, stops)
+        gstop = np.full(2, -1, np.int64)
+        learned = np.zeros(1, np.int64)
+        glob = self._global is not None
+        gmem = self._global.buffer if glob else self._tab._none
+        gpart, lpart = (parts - 1 if glob else -1), (0 if self.chooser == "mix" else -1)
+        self._on_threads(parts, step_kernels.insert_batch_parallel, self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, owner,
+                         parts, stops, gmem, gpart, gstop, lpart, learned, self._wt, self._g2, self.mix_lr, self._dtok, self._dx,
+                         self._dset, self._dk, self._outcomes, self._dprev, self._dsup, self._dstop)
+        self.outcomes_learned += int(learned[0])
         for p in range(parts):
             r, part, done = (int(x) for x in stops[p])
             if r < 0:
@@ -819,6 +830,10 @@ class DASDrafter:
             rest = np.flatnonzero(owner[r + 1 :] == p) + r + 1
             if rest.shape[0]:
                 self._add_rows(handles[rest], tokens[rest], starts[rest], ends[rest])
+        if glob and gstop[0] >= 0:
+            r, done = int(gstop[0]), int(gstop[1])
+            self._global.extend(self._hreq[handles[r]].gseq, np.ascontiguousarray(tokens[r, starts[r] + done : ends[r]]))
+            self._add_rows_global(handles, tokens, starts, ends, r + 1)
 
     def _finish_row(self, req: _Request, seg: np.ndarray, part: int, done: int) -> None:
         """Finish a row :func:`das._trie_kernels.add_batch` stopped at: a tree ran short of

@@ -243,7 +243,8 @@ def test_a_global_tree_that_runs_short_mid_batch_grows_and_takes_the_rest():
 def test_parallel_batches_match_one_thread(monkeypatch):
     """``draft_threads=2`` appends and drafts a step's rows on two threads (numba ``prange``):
     the same trees, draft tokens, path probabilities and learning state as one thread, step after
-    step, also when a tree runs short of capacity mid-batch (that part finishes on one thread) and
+    step, also when a tree runs short of capacity mid-batch (that part finishes on one thread; the
+    global tree, appended with the learning beside the other trees' parts, likewise) and
     when a request has two rows (appended in order; drafted on one thread, as its rows would
     write one pending draft)."""
     import numba
@@ -260,6 +261,9 @@ def test_parallel_batches_match_one_thread(monkeypatch):
     finished = []  # rows the parallel append stopped at (a tree ran short), finished in Python
     grow = two._finish_row
     monkeypatch.setattr(two, "_finish_row", lambda *a: (finished.append(a[2]), grow(*a)))
+    global_rest = []  # rows after one where the global tree ran short, appended in Python
+    rest = two._add_rows_global
+    monkeypatch.setattr(two, "_add_rows_global", lambda *a: (global_rest.append(a[-1]), rest(*a)))
     patterns = [rng.integers(0, 12, 30) for _ in range(4)]
     for v in range(3):  # history: each problem's rollouts repeat its pattern with noise
         for d in (one, two):
@@ -292,7 +296,7 @@ def test_parallel_batches_match_one_thread(monkeypatch):
         assert got[0].lengths.tolist() == got[1].lengths.tolist()
         assert got[0].tokens.tolist() == got[1].tokens.tolist()
         assert got[0].probs.tolist() == got[1].probs.tolist()
-    assert int(got[1].lengths.sum()) > 0 and finished
+    assert int(got[1].lengths.sum()) > 0 and finished and global_rest
     assert one.parallel_calls == 0 and two.parallel_calls == 24
     assert one.outcomes_learned == two.outcomes_learned > 0
     assert one.mixer_weights.tolist() == two.mixer_weights.tolist()

@@ -1,0 +1,51 @@
+"""Numba kernel of a step's insert on several threads: every write the step's verified tokens cause, at once.
+
+A step of :meth:`das.drafter.DASDrafter.add_tokens_batch` does three things that touch disjoint
+memory: it appends each row's tokens to its problem and request trees, appends them to the
+row's live sequence in the global tree (``mix`` chooser), and teaches the mixer the outcomes of
+the rows' pending drafts (weights and outcome tables, ``mix`` chooser). The first is split over
+the parts by tree (rows sharing a tree share a part, so no two threads touch one tree); the
+global tree's append and the learning run as extra work of two of those parts instead of one
+after the other on one thread, which left the other threads idle (the serial part of a step; on a 16-CPU GPU host it
+was most of a 256-row step at 8 threads: benchmarks/README.md, "Step cost"). The results are
+those of the serial order: no two pieces of work read what another writes.
+"""
+
+from __future__ import annotations
+
+from numba import njit, prange
+
+from das._mix_kernels import learn_rows
+from das._trie_kernels import _add_row, add_batch_global
+
+
+@njit(cache=True, parallel=True)
+def insert_batch_parallel(trees, ri, rw, handles, tokens, starts, ends, owner, parts, stops, gmem, gpart, gstop, lpart, learned,
+                          wt, g2, lr, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop):
+    """:func:`das._trie_kernels.add_batch` on ``parts`` threads: part ``p`` appends the rows with
+    ``owner[r] == p`` (``int64[rows]`` in ``[0, parts)``; rows that share a tree must share a part)
+    to their problem and request trees in row order, and stops at its first row whose tree ran
+    short of capacity: ``stops[p] = (row, part, done)`` (``int64[parts, 3]``, as ``add_batch``
+    returns; row -1: the part finished; its later rows are left to the caller). Plus, on part ``gpart`` (-1: none), the rows' appends to
+    the global tree ``gmem`` (:func:`das._trie_kernels.add_batch_global` from row 0; its return
+    value in ``gstop``: ``int64[2]``), and on part ``lpart`` (-1: none) the mixer's learning
+    (:func:`das._mix_kernels.learn_rows` with the arguments after ``learned``; the number of
+    outcomes learned in ``learned[0]``). ``gpart`` and ``lpart`` are parts in ``[0, parts)``."""
+    rows = handles.shape[0]
+    for p in prange(parts):
+        if p == lpart:
+            learned[0] = learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop)
+        if p == gpart:
+            r, d = add_batch_global(gmem, ri, handles, tokens, starts, ends, 0)
+            gstop[0] = r
+            gstop[1] = d
+        stops[p, 0] = -1
+        for r in range(rows):
+            if owner[r] != p:
+                continue
+            part, d = _add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
+            if part >= 0:
+                stops[p, 0] = r
+                stops[p, 1] = part
+                stops[p, 2] = d
+                break
