@@ -54,6 +54,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -123,8 +124,6 @@ def stand_in_proposer(drafter, k: int, max_model_len: int):
     """A :class:`DASProposer` (``fixed`` budget, K = ``k``) around ``drafter``, with a stand-in
     model runner: the attributes of vLLM's runner that the proposer reads (``input_batch.req_ids``,
     ``input_batch.num_prompt_tokens``, ``requests[req_id].sampling_params``)."""
-    from types import SimpleNamespace
-
     from integrations.vllm_ext.proposer import DASProposer
 
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
@@ -137,8 +136,6 @@ def stand_in_proposer(drafter, k: int, max_model_len: int):
 
 def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
     """Run the engine steps of ``work`` through one path; returns per-step times (ns) and counts."""
-    from types import SimpleNamespace
-
     d = work.drafter(**(config or {}))
     R = work.rows
     tok = np.zeros((R, work.width), np.int32)  # as vLLM's token_ids_cpu: row r = its request's tokens

@@ -788,9 +788,13 @@ class DASDrafter:
             r, done = kernels.add_batch_global(self._global.buffer, self._ri, handles, tokens, starts, ends, row)
             if r < 0:
                 break
-            seg = np.ascontiguousarray(tokens[r, starts[r] + done : ends[r]])
-            self._global.extend(self._hreq[handles[r]].gseq, seg)
+            self._finish_global_row(handles, tokens, starts, ends, r, done)
             row = r + 1
+
+    def _finish_global_row(self, handles, tokens, starts, ends, r: int, done: int) -> None:
+        """Finish row ``r``, whose append to the global tree ran short of capacity after ``done``
+        tokens: grow the tree and append the rest."""
+        self._global.extend(self._hreq[handles[r]].gseq, np.ascontiguousarray(tokens[r, starts[r] + done : ends[r]]))
 
     def _add_rows(self, handles: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Append the rows in order on one thread (checked rows), growing trees that run short."""
@@ -831,8 +835,8 @@ class DASDrafter:
             if rest.shape[0]:
                 self._add_rows(handles[rest], tokens[rest], starts[rest], ends[rest])
         if glob and gstop[0] >= 0:
-            r, done = int(gstop[0]), int(gstop[1])
-            self._global.extend(self._hreq[handles[r]].gseq, np.ascontiguousarray(tokens[r, starts[r] + done : ends[r]]))
+            r = int(gstop[0])
+            self._finish_global_row(handles, tokens, starts, ends, r, int(gstop[1]))
             self._add_rows_global(handles, tokens, starts, ends, r + 1)
 
     def _finish_row(self, req: _Request, seg: np.ndarray, part: int, done: int) -> None:

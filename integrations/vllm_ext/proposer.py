@@ -321,7 +321,8 @@ class DASProposer:
         drafter = self.drafter
         rows = len(sampled_token_ids)
         req_ids = batch.req_ids
-        counts = num_tokens_no_spec[:rows].tolist()  # Python ints, read once
+        counts_arr = np.asarray(num_tokens_no_spec[:rows], np.int64)
+        counts = counts_arr.tolist()  # Python ints for the loop over rows
         live_reqs = self._reqs
         reqs: list[_Req | None] = [None] * rows  # rows that may draft this step
         live = np.zeros(rows, bool)
@@ -380,7 +381,6 @@ class DASProposer:
             position = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
             self.acceptance.observe(np.concatenate(verified_probs), position < np.repeat(np.array(verified_accepted), lens))
         self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted, step_predicted)
-        counts_arr = np.asarray(num_tokens_no_spec[:rows], np.int64)
         budgets = np.where(live, np.minimum(self.k, self.max_model_len - counts_arr - 1), 0)
         budgets = np.minimum(budgets, self._request_caps(reqs))
         if self.budget == "none":  # the speculative path and the inserts with no drafts: their cost alone
