@@ -16,7 +16,8 @@ problem's history window), 1 the request tree (its prompt and own output), 2 the
 sequence is in all three, so a scope's loci at the start of a draft are its sequence's active loci
 (no lookups); they are tracked as the draft grows (the locus of the suffix of length ``L`` moves to
 that of length ``L + 1`` with the drafted token; a new length-1 locus is looked up at the root), so
-a draft token costs one child lookup per locus.
+a draft token costs one child lookup per locus and candidate, and the loci then move to the children
+that scoring the drafted token found (its most frequent child, or a lookup's result: no second probe).
 
 Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floats):
 
@@ -329,7 +330,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 
 @njit(cache=True)
 def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
-         only, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
+         only, topn, kids, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
     ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
     draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
@@ -363,6 +364,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
                     else:
                         t = nodes[b, C_TOKEN]
                         top = weights[b, 0]
+                    topn[ntop] = b
                     # a node: look the token up (C_NCHILD == 1 is not trusted for this: in engine runs
                     # skipping those lookups changed the drafts; benchmarks/README.md, "Step cost")
                     only[ntop] = False
@@ -387,7 +389,9 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
         so = min(k, NSETS - 1) * NIN
         bz = -1e300
         bt = -1
+        bci = 0
         bsup = 0
+        lw = tops.shape[0]
         for ci in range(nc):
             if ci == 1 and _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev, srange) < bz:
                 break  # no other candidate can beat the first: skip their lookups (the same draft)
@@ -418,6 +422,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
                         st = _ST0  # t is not this locus's continuation
                     else:
                         c = _find_child(nodes, hash_table, shift, lu[s, i], t)
+                        kids[ci * lw + j] = c  # where the locus goes if t is drafted
                         cnt = weights[c, 0] if c >= 0 else 0.0
                         st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)] if cnt > 0.0 else _ST0
                     if deepest == 0 and st > _ST0:  # the loci are longest first
@@ -443,6 +448,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
             if z > bz:
                 bz = z
                 bt = t
+                bci = ci
                 bsup = sup
                 for f in range(NIN):
                     xrow[k, f] = sums[f]
@@ -463,6 +469,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
         k += 1
         if k == K:
             break
+        li = 0
         for s in range(NT):  # every locus follows the drafted token
             if tix[s] < 0:
                 continue
@@ -471,15 +478,24 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
             top = meta[M_MAX_DEPTH] - 1  # the scope's longest context (its tree's own depth)
             m = 0
             for i in range(nl[s]):
+                j = li  # this locus's entry in tops / topn / only
+                li += 1
                 u = lu[s, i]
                 d = ld[s, i]
                 if lL[s, i] + 1 > top:
                     continue
-                if d < nodes[u, C_DEPTH]:
-                    if _edge_token(nodes, seqs, pool, u, d) != bt:
+                if only[j]:  # inside an edge: its one continuation
+                    if tops[j] != bt:
                         continue
                 else:
-                    c = _find_child(nodes, hash_table, shift, u, bt)
+                    # the child was found while scoring bt (in a hashed node, a probe saved), unless
+                    # the locus had no most frequent child
+                    if tops[j] == bt:
+                        c = topn[j]
+                    elif tops[j] >= 0:
+                        c = kids[bci * lw + j]
+                    else:
+                        c = _find_child(nodes, hash_table, shift, u, bt)
                     if c < 0:
                         continue
                     u = c
@@ -546,6 +562,8 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     totp = np.empty(NT * (D + 1), np.float64)
     feat = np.empty(NT * (D + 1), np.int64)
     only = np.empty(NT * (D + 1), np.bool_)
+    topn = np.empty(NT * (D + 1), np.int64)
+    kids = np.empty(MAX_CAND * NT * (D + 1), np.int64)
     cand = np.empty(NT * (D + 1), np.int64)
     sums = np.empty(NIN, np.float64)
     cnts = np.empty(NIN, np.float64)
@@ -585,7 +603,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             prev = _last_token(m0, sl)
             dprev[h] = prev
             k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
-                     totr, totp, feat, only, cand, sums, cnts, outcomes, prev, srange, dsup[h], stop)
+                     totr, totp, feat, only, topn, kids, cand, sums, cnts, outcomes, prev, srange, dsup[h], stop)
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]
         dk[h] = k

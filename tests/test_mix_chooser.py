@@ -28,6 +28,19 @@ def test_mix_is_the_default_and_drafts_what_the_history_repeats():
     assert got.score == pytest.approx(float(got.probs.sum()))
 
 
+def test_a_draft_follows_its_longest_contexts_past_its_first_token():
+    """After each draft token every context locus moves down with it: the draft goes on as the long
+    context 1 2 3 4 did (5 6), not as the one-token context 4 does in most of the history (10)."""
+    d = DASDrafter(global_rollouts=0)
+    for _ in range(3):
+        d.add_rollout(PROMPT, [1, 2, 3, 4, 5, 6, 7])
+    for t in range(20, 32):
+        d.add_rollout(PROMPT, [t, 4, 10, 11])
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [1, 2, 3])
+    assert d.speculate("r", 3).tokens.tolist() == [4, 5, 6]
+
+
 def _start_on_new_problem(d: DASDrafter, pid, rollouts: int = 2) -> None:
     """A problem whose history is ``rollouts`` copies of 7 8 9 10 11 12, and a live request of it at token 7."""
     for _ in range(rollouts):

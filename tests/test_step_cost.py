@@ -64,3 +64,29 @@ def test_the_proposer_path_drives_the_engines_proposer_through_the_same_steps(tm
     assert prop["steps"] == batch["steps"] > 0 and prop["tokens"] == batch["tokens"]
     assert prop["drafter"]["requests"] == batch["drafter"]["requests"] == 8  # the proposer stopped every finished one
     assert np.all(prop["add_ns"] <= prop["wall_ns"])
+
+
+def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys):
+    """``benchmarks.kernel_pair`` times two versions of the mix kernel on the same steps and counts
+    the steps whose drafts differ: none for a copy, some for a kernel that clips harder."""
+    from pathlib import Path
+
+    import das._mix_kernels as current
+    from benchmarks import kernel_pair
+
+    src = Path(current.__file__).read_text()
+    same, other = tmp_path / "same_mix.py", tmp_path / "other_mix.py"
+    same.write_text(src)
+    assert "_CLIP = 0.002\n" in src
+    other.write_text(src.replace("_CLIP = 0.002\n", "_CLIP = 0.2\n"))
+    work = Workload(load_trace(_trace(tmp_path)), rows=8)
+    for path, differs in ((same, False), (other, True)):
+        run = kernel_pair.paired_run(work, kernel_pair.load_kernels(path), k=8, max_steps=30, threads=1)
+        assert run["base"].shape == run["new"].shape and run["base"].shape[0] > kernel_pair.SKIP
+        assert (run["differ"] > 0) == differs
+    out = tmp_path / "pair.json"
+    assert kernel_pair.main(["--base", str(same), "--trace", str(_trace(tmp_path)), "--rows", "4", "--max-steps", "20",
+                             "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["steps_drafting_differently"] == 0
+    assert "new / base" in capsys.readouterr().out
+    assert kernel_pair.main(["--base", str(tmp_path / "trace.parquet"), "--trace", str(_trace(tmp_path))]) == 2
