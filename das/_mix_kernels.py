@@ -18,6 +18,10 @@ sequence is in all three, so a scope's loci at the start of a draft are its sequ
 that of length ``L + 1`` with the drafted token; a new length-1 locus is looked up at the root), so
 a draft token costs one child lookup per locus and candidate, and the loci then move to the children
 that scoring the drafted token found (its most frequent child, or a lookup's result: no second probe).
+Most of a draft token's time is cache misses on the trees' rows, and a locus's reads depend on each
+other, so the kernel prefetches what the next position reads first of every locus at once (its
+most frequent child's row, and each tree's hash slot of the new length-1 locus): those misses
+overlap instead of coming one after the other (benchmarks/README.md, "Step cost").
 
 Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floats):
 
@@ -84,6 +88,7 @@ from das._trie_kernels import (
     C_TOKEN,
     M_HASH_SHIFT,
     M_MAX_DEPTH,
+    NCOL,
     R_GLOBAL_SLOT,
     R_PROBLEM_SLOT,
     R_PROBLEM_TREE,
@@ -92,9 +97,12 @@ from das._trie_kernels import (
     S_BASE,
     S_LEN,
     S_LOCI,
+    _child_key,
     _edge_token,
     _find_child,
+    _hash_slot,
     borrowed_views,
+    prefetch,
 )
 
 NT = 3  # scopes: problem tree, request tree, global tree
@@ -469,6 +477,10 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
         k += 1
         if k == K:
             break
+        for s in range(NT):  # the new length-1 loci's hash slots (the root's children are hashed): their misses at once
+            if tix[s] >= 0:
+                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
+                prefetch(hash_table, 2 * _hash_slot(_child_key(0, bt), meta[M_HASH_SHIFT], hash_table.shape[0] - 1))
         li = 0
         for s in range(NT):  # every locus follows the drafted token
             if tix[s] < 0:
@@ -510,6 +522,10 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
                 lL[s, m] = 1
                 m += 1
             nl[s] = m
+            for i in range(m):  # the next position reads each locus's most frequent child: start those misses at once
+                b = nodes[lu[s, i], C_BEST]
+                if b >= 0:
+                    prefetch(nodes, b * NCOL)
     return k
 
 

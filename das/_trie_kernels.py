@@ -55,12 +55,13 @@ Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slo
 learning, in :func:`das._step_kernels.insert_batch_parallel`)
 and :func:`draft_batch` (:func:`draft_batch_parallel` on several threads). Python side:
 :func:`buffer_layout` and :func:`buffer_views`. Other numba code may build on
-:func:`borrowed_views` and :func:`greedy_walk`.
+:func:`borrowed_views`, :func:`greedy_walk` and :func:`prefetch`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from llvmlite import ir
 from numba import carray, njit, prange, types
 from numba.extending import intrinsic
 
@@ -189,6 +190,25 @@ def _pointer_intrinsic(nbtype):
         return sig, codegen
 
     return pointer
+
+
+@intrinsic
+def prefetch(typingctx, arr, i):
+    """``prefetch(arr, i)``: hint the CPU to bring element ``i`` (a flat index) of the C-contiguous
+    array ``arr`` into its caches (``llvm.prefetch``: a read, kept close). It changes no value and
+    never faults. A kernel that knows a few independent addresses it will read soon issues them
+    together, so their cache misses overlap instead of coming one after the other."""
+    sig = types.void(arr, i)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        p = builder.bitcast(builder.gep(ary.data, [args[1]]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fn = builder.module.declare_intrinsic("llvm.prefetch", [p.type], ir.FunctionType(ir.VoidType(), [p.type, i32, i32, i32]))
+        builder.call(fn, [p, i32(0), i32(3), i32(1)])  # read, locality 3 (all cache levels), data
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 _int32_pointer = _pointer_intrinsic(types.int32)
