@@ -337,6 +337,7 @@ class DASDrafter:
         self._handles: dict[Hashable, int] = {}  # live request id -> handle
         # per handle: problem tree index, its slot there, request tree index, its slot, tokens so far (kernels.R_*)
         self._ri = np.full((16, kernels.R_COLS), -1, np.int64)
+        self._stamp = np.empty(0, np.int64)  # scratch of _distinct, one slot per handle
         self._rw = np.ones(16, np.float64)  # per handle: weight of its problem-tree sequence
         self._hreq: list[_Request | None] = [None] * 16  # handle -> request
         self._hfree = list(range(15, -1, -1))
@@ -942,9 +943,19 @@ class DASDrafter:
         """Threads for drafting these rows: as :meth:`_threads_for`, but 1 when a request has
         several rows (they would write its pending draft at once)."""
         parts = self._threads_for(handles.shape[0])
-        if parts > 1 and np.unique(handles).shape[0] < handles.shape[0]:
+        if parts > 1 and not self._distinct(handles):
             return 1
         return parts
+
+    def _distinct(self, handles: np.ndarray) -> bool:
+        """Whether no handle repeats: each row writes its index into its handle's stamp, and a
+        repeated handle keeps only one of them (two vector ops; ``np.unique`` sorts, 5x the time
+        at 256 rows)."""
+        if self._stamp.shape[0] < self._ri.shape[0]:
+            self._stamp = np.empty(self._ri.shape[0], np.int64)
+        rows = np.arange(handles.shape[0])
+        self._stamp[handles] = rows
+        return bool(np.array_equal(self._stamp[handles], rows))
 
     def _grow_pending(self, k: int) -> None:
         """Room for pending drafts of ``k`` tokens per handle (the mixer's learning state)."""

@@ -637,3 +637,25 @@ def test_threaded_kernels_run_on_a_team_of_their_parts():
     with pytest.raises(RuntimeError, match="kernel failed"):
         d._on_threads(1, failing)
     assert numba.get_num_threads() == team
+
+
+def test_a_request_on_several_rows_drafts_on_one_thread():
+    """Rows of one request would write its pending draft at once, so a batch that repeats a
+    request drafts on one thread; distinct requests draft on ``draft_threads``."""
+    import numba
+
+    if numba.get_num_threads() < 2:
+        pytest.skip("numba has one thread on this machine")
+    from das.drafter import PARALLEL_ROWS
+
+    d = DASDrafter(draft_threads=2)
+    ids = [f"r{i}" for i in range(PARALLEL_ROWS + 1)]
+    for rid in ids:
+        d.start_request(rid, PROMPT)
+    handles = d._handles_of(ids)
+    assert d._parts(handles) == 2
+    for i in (0, 1, PARALLEL_ROWS):  # the repeat first, in the middle, last
+        repeated = handles.copy()
+        repeated[i] = handles[(i + 7) % handles.shape[0]]
+        assert d._parts(repeated) == 1
+    assert d._parts(handles) == 2  # the stamps of an earlier call do not linger
