@@ -62,17 +62,6 @@ def paired_run(work: Workload, base, k: int, max_steps: int, threads: int) -> di
     original = drafter_module.DASDrafter._mix_drafts
 
     def both(self, handles, budgets, kmax, min_prob, tokens, probs, lengths, parts):
-        if kmax > self._dtok.shape[1]:
-            self._grow_pending(kmax)
-        args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handles, budgets, min_prob,
-                self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk,
-                self._outcomes, self._dprev, self._dsup, self._dstop)
-        def call(mod):
-            if parts > 1:
-                self._on_threads(parts, mod.mix_batch_parallel, *args, parts)
-            else:
-                mod.mix_batch(*args)
-
         order = [("base", base), ("new", new)]
         if calls[0] % 2:
             order.reverse()
@@ -80,13 +69,13 @@ def paired_run(work: Workload, base, k: int, max_steps: int, threads: int) -> di
         out = {}
         for name, mod in order:
             t0 = time.perf_counter()
-            call(mod)
+            original(self, handles, budgets, kmax, min_prob, tokens, probs, lengths, parts, mix_kernels=mod)
             times[name].append(time.perf_counter() - t0)
             out[name] = (tokens.copy(), lengths.copy())
         if not (np.array_equal(out["base"][0], out["new"][0]) and np.array_equal(out["base"][1], out["new"][1])):
             differ[0] += 1
             if order[-1][0] == "base":  # the step goes on with the checkout's drafts (and pending drafts)
-                call(new)
+                original(self, handles, budgets, kmax, min_prob, tokens, probs, lengths, parts, mix_kernels=new)
 
     drafter_module.DASDrafter._mix_drafts = both
     try:

@@ -902,18 +902,20 @@ class DASDrafter:
                 kernels.draft_batch(*args)
         return DraftBatch(tokens, probs, lengths)
 
-    def _mix_drafts(self, handles, budgets, kmax: int, min_prob: float, tokens, probs, lengths, parts: int) -> None:
+    def _mix_drafts(self, handles, budgets, kmax: int, min_prob: float, tokens, probs, lengths, parts: int,
+                    mix_kernels=mixing) -> None:
         """The ``mix`` kernel for these rows on ``parts`` threads: writes ``tokens`` / ``probs`` /
-        ``lengths`` and the rows' pending drafts (``kmax``: the largest budget)."""
+        ``lengths`` and the rows' pending drafts (``kmax``: the largest budget). ``mix_kernels``:
+        the module of the kernels (another version of it in ``benchmarks.kernel_pair``)."""
         if kmax > self._dtok.shape[1]:
             self._grow_pending(kmax)
         args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handles, budgets, min_prob,
                 self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes,
                 self._dprev, self._dsup, self._dstop)  # self._gti: -1 without a global tree
         if parts > 1:
-            self._on_threads(parts, mixing.mix_batch_parallel, *args, parts)
+            self._on_threads(parts, mix_kernels.mix_batch_parallel, *args, parts)
         else:
-            mixing.mix_batch(*args)
+            mix_kernels.mix_batch(*args)
 
     def _on_threads(self, parts: int, kernel, *args) -> None:
         """Call ``kernel(*args)``, a ``prange`` kernel over ``parts`` parts, with numba's team
