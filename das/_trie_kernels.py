@@ -25,7 +25,10 @@ Layout:
   key = ``parent << TOKEN_BITS | first token of the child's label``. Only the children of
   *hashed* parents are in it: the root, and any node that once had ``HASH_MIN_CHILDREN`` children.
   The children of other nodes are found by walking their (short) sibling list; the cached best
-  child is tried first.
+  child is tried first. Such a node's ``C_FILTER`` has bit :func:`filter_bit` ``(t)`` set for each
+  child's first token ``t`` (exactly those bits), so most lookups of a token that is no child end
+  there, with no walk: they are most of a draft's lookups in these nodes (the draft chooser scores
+  each candidate token at every locus, and most loci do not continue with most candidates).
 * ``seqs``: ``int32[scap, S_LOCI + max_depth + 1]``, one row per sequence slot: its segment of the
   token pool (``S_BASE``, ``S_LEN``, ``S_CAP``), ``S_STATE`` (0 free, 1 stored, 2 removed but its
   tokens still referenced by node labels) and its active loci ``[S_LOCI + d]`` = node where its
@@ -80,7 +83,7 @@ C_BEST = 7  # child with the largest weighted count, ties: smallest token (-1: n
 C_SEQ = 8  # sequence slot holding an occurrence of the node's string
 C_IDX = 9  # index in that sequence just past the label's last token
 C_NCHILD = 10  # number of children
-C_HASHED = 11  # 1: the children are in the hash table
+C_FILTER = 11  # the children's first tokens as a bit filter (:func:`filter_bit`); HASHED: they are in the hash table
 NCOL = 16  # int32 columns per row: the 12 above, then the row's two float64 counts (``weights``)
 
 # sequence columns
@@ -112,6 +115,7 @@ M_POOL_AT = 17  # offset of the pool
 M_LEN = 18
 
 HASH_MIN_CHILDREN = 8  # a node with this many children moves them to the hash table
+HASHED = -1  # C_FILTER of a node whose children are hashed (a filter uses bits 0-30, so it is never negative)
 _FIBONACCI_MULT = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 (Fibonacci hashing)
 
 
@@ -311,7 +315,7 @@ def fill_hash_table(mem):
     shift = meta[M_HASH_SHIFT]
     n = 0
     for p in range(meta[M_HIGH_WATER]):
-        if nodes[p, C_HASHED] == 1 and (p == 0 or nodes[p, C_PARENT] != -1):
+        if nodes[p, C_FILTER] == HASHED and (p == 0 or nodes[p, C_PARENT] != -1):
             c = nodes[p, C_FIRST]
             while c != -1:
                 _hash_insert(hash_table, shift, _child_key(p, nodes[c, C_TOKEN]), c)
@@ -324,10 +328,30 @@ def fill_hash_table(mem):
 
 
 @njit(cache=True, inline="always")
+def filter_bit(t):
+    """Token ``t``'s bit in a node's ``C_FILTER``: one of bits 0-30 (Fibonacci hashing of the token)."""
+    return np.int64(1) << ((((np.int64(t) * np.int64(2654435761)) & np.int64(0xFFFFFFFF)) * np.int64(31)) >> np.int64(32))
+
+
+@njit(cache=True, inline="always")
+def _children_filter(nodes, p):
+    """``C_FILTER`` of unhashed node ``p`` from its children (after one left or changed its first token)."""
+    f = np.int64(0)
+    c = nodes[p, C_FIRST]
+    while c != -1:
+        f |= filter_bit(nodes[c, C_TOKEN])
+        c = nodes[c, C_NEXT]
+    return f
+
+
+@njit(cache=True, inline="always")
 def _find_child(nodes, hash_table, shift, p, t):
     """Child of node ``p`` whose label starts with token ``t``, or -1."""
-    if nodes[p, C_HASHED] == 1:
+    f = nodes[p, C_FILTER]
+    if f == HASHED:
         return np.int64(hash_lookup(hash_table, shift, _child_key(p, t)))
+    if f & filter_bit(t) == 0:
+        return np.int64(-1)
     b = nodes[p, C_BEST]
     if b >= 0 and nodes[b, C_TOKEN] == t:
         return np.int64(b)
@@ -354,7 +378,7 @@ def _alloc_node(nodes, weights, meta):
     nodes[c, C_PREV] = -1
     nodes[c, C_BEST] = -1
     nodes[c, C_NCHILD] = 0
-    nodes[c, C_HASHED] = 0
+    nodes[c, C_FILTER] = 0
     weights[c, 0] = 0.0
     weights[c, 1] = 0.0
     meta[M_LIVE_NODES] += 1
@@ -370,7 +394,7 @@ def _free_node(nodes, weights, meta, c):
     nodes[c, C_PREV] = -1
     nodes[c, C_BEST] = -1
     nodes[c, C_NCHILD] = 0
-    nodes[c, C_HASHED] = 0
+    nodes[c, C_FILTER] = 0
     weights[c, 0] = 0.0
     weights[c, 1] = 0.0
     nodes[c, C_NEXT] = meta[M_FREE_HEAD]
@@ -391,11 +415,13 @@ def _link_child(nodes, hash_table, meta, p, c):
     nodes[p, C_FIRST] = c
     nodes[p, C_NCHILD] += 1
     shift = meta[M_HASH_SHIFT]
-    if nodes[p, C_HASHED] == 1:
+    if nodes[p, C_FILTER] == HASHED:
         _hash_insert(hash_table, shift, _child_key(p, nodes[c, C_TOKEN]), c)
         meta[M_HASH_ENTRIES] += 1
-    elif nodes[p, C_NCHILD] >= HASH_MIN_CHILDREN:
-        nodes[p, C_HASHED] = 1
+    elif nodes[p, C_NCHILD] < HASH_MIN_CHILDREN:
+        nodes[p, C_FILTER] |= filter_bit(nodes[c, C_TOKEN])
+    else:
+        nodes[p, C_FILTER] = HASHED
         x = nodes[p, C_FIRST]
         while x != -1:
             _hash_insert(hash_table, shift, _child_key(p, nodes[x, C_TOKEN]), x)
@@ -415,9 +441,11 @@ def _unlink_child(nodes, hash_table, meta, p, c):
     if nxt != -1:
         nodes[nxt, C_PREV] = prv
     nodes[p, C_NCHILD] -= 1
-    if nodes[p, C_HASHED] == 1:
+    if nodes[p, C_FILTER] == HASHED:
         _hash_delete(hash_table, meta[M_HASH_SHIFT], _child_key(p, nodes[c, C_TOKEN]))
         meta[M_HASH_ENTRIES] -= 1
+    else:
+        nodes[p, C_FILTER] = _children_filter(nodes, p)
     if nodes[p, C_BEST] == c:
         nodes[p, C_BEST] = -2  # dirty: the caller recomputes it
 
@@ -436,7 +464,7 @@ def _replace_child(nodes, hash_table, meta, p, old, new):
     if nxt != -1:
         nodes[nxt, C_PREV] = new
     nodes[new, C_PARENT] = p
-    if nodes[p, C_HASHED] == 1:
+    if nodes[p, C_FILTER] == HASHED:
         _hash_update(hash_table, meta[M_HASH_SHIFT], _child_key(p, nodes[old, C_TOKEN]), new)
     if nodes[p, C_BEST] == old:
         nodes[p, C_BEST] = new
@@ -447,11 +475,14 @@ def _rekey_child(nodes, hash_table, meta, p, c, t):
     """Change the first token of child ``c`` of ``p`` to ``t`` (its key in ``p``'s hash)."""
     if nodes[c, C_TOKEN] == t:
         return
-    if nodes[p, C_HASHED] == 1:
+    if nodes[p, C_FILTER] == HASHED:
         shift = meta[M_HASH_SHIFT]
         _hash_delete(hash_table, shift, _child_key(p, nodes[c, C_TOKEN]))
         _hash_insert(hash_table, shift, _child_key(p, t), c)
-    nodes[c, C_TOKEN] = t
+        nodes[c, C_TOKEN] = t
+    else:
+        nodes[c, C_TOKEN] = t
+        nodes[p, C_FILTER] = _children_filter(nodes, p)
 
 
 @njit(cache=True, inline="always")
@@ -557,6 +588,7 @@ def _advance_locus(nodes, weights, hash_table, meta, seqs, pool, s, node, t, L, 
     nodes[child, C_PREV] = -1
     nodes[m, C_FIRST] = child
     nodes[m, C_NCHILD] = 1
+    nodes[m, C_FILTER] = filter_bit(nodes[child, C_TOKEN])
     nodes[m, C_BEST] = child
     weights[node, 1] += w
     _update_best_child(nodes, weights, node, m)
@@ -660,7 +692,7 @@ def remove_sequence(mem, s, w):
                 u = c
                 while u != -1:
                     x = nodes[u, C_FIRST]
-                    if x != -1 and nodes[u, C_HASHED] == 1:
+                    if x != -1 and nodes[u, C_FILTER] == HASHED:
                         _hash_delete(hash_table, shift, _child_key(u, nodes[x, C_TOKEN]))
                         meta[M_HASH_ENTRIES] -= 1
                     _free_node(nodes, weights, meta, u)

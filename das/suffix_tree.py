@@ -161,12 +161,12 @@ class SuffixTree:
         self._hash_table.fill(-1)
         self._seq_table.fill(0)
         root = self._nodes[0]
-        root[: kernels.C_HASHED + 1] = -1
+        root[: kernels.C_FILTER + 1] = -1
         self._weights[0] = 0.0
         root[kernels.C_DEPTH] = 0
         root[kernels.C_COUNT] = 0
         root[kernels.C_NCHILD] = 0
-        root[kernels.C_HASHED] = 1
+        root[kernels.C_FILTER] = kernels.HASHED  # the root's children are hashed from the start
         root[kernels.C_SEQ] = 0
         root[kernels.C_IDX] = 0
         self._slots: dict[int, int] = {}  # slot -> seq id (stored sequences)
@@ -750,7 +750,12 @@ class SuffixTree:
                     if best < 0 or (weights[c, 0], -nodes[c, kernels.C_TOKEN]) > (weights[best, 0], -nodes[best, kernels.C_TOKEN]):
                         best = c
                 assert nodes[u, kernels.C_BEST] == best, (u, nodes[u, kernels.C_BEST], best)
-            if nodes[u, kernels.C_HASHED] == 1:
+            if nodes[u, kernels.C_FILTER] != kernels.HASHED:
+                bits = 0
+                for c in kids:
+                    bits |= int(kernels.filter_bit(int(nodes[c, kernels.C_TOKEN])))
+                assert nodes[u, kernels.C_FILTER] == bits, (u, nodes[u, kernels.C_FILTER], bits)
+            else:
                 for c in kids:
                     key = (u << kernels.TOKEN_BITS) | int(nodes[c, kernels.C_TOKEN])
                     assert kernels.hash_lookup(self._hash_table, meta[kernels.M_HASH_SHIFT], np.int64(key)) == c
