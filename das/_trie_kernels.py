@@ -27,8 +27,8 @@ Layout:
   The children of other nodes are found by walking their (short) sibling list; the cached best
   child is tried first. Such a node's ``C_FILTER`` has bit :func:`filter_bit` ``(t)`` set for each
   child's first token ``t`` (exactly those bits), so most lookups of a token that is no child end
-  there, with no walk: they are most of a draft's lookups in these nodes (the draft chooser scores
-  each candidate token at every locus, and most loci do not continue with most candidates).
+  there, with no walk. About half of a draft's lookups in these nodes are such: the ``mix``
+  chooser scores each candidate token at every locus, and a locus rarely continues with all of them.
 * ``seqs``: ``int32[scap, S_LOCI + max_depth + 1]``, one row per sequence slot: its segment of the
   token pool (``S_BASE``, ``S_LEN``, ``S_CAP``), ``S_STATE`` (0 free, 1 stored, 2 removed but its
   tokens still referenced by node labels) and its active loci ``[S_LOCI + d]`` = node where its
