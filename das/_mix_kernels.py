@@ -20,8 +20,9 @@ a draft token costs one child lookup per locus and candidate, and the loci then 
 that scoring the drafted token found (its most frequent child, or a lookup's result: no second probe).
 Most of a draft token's time is cache misses on the trees' rows, and a locus's reads depend on each
 other, so the kernel prefetches what the next position reads first of every locus at once (its
-most frequent child's row, and each tree's hash slot of the new length-1 locus): those misses
-overlap instead of coming one after the other (benchmarks/README.md, "Step cost").
+most frequent child's row, and each tree's hash slot of the new length-1 locus), and the
+candidates' outcome-table rows before it scores them: those misses overlap instead of coming one
+after the other (benchmarks/README.md, "Step cost").
 
 Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floats):
 
@@ -394,6 +395,10 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
                     nc += 1
         if nc == 0:
             break
+        for ci in range(nc):  # the candidates' outcome-table rows: their misses overlap the lookups below
+            ti, pi = _outcome_slots(prev, cand[ci])
+            prefetch(outcomes, 2 * ti)
+            prefetch(outcomes, 2 * (OUTCOME_SLOTS + pi))
         so = min(k, NSETS - 1) * NIN
         bz = -1e300
         bt = -1
