@@ -548,35 +548,28 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     rows; table 3: the calibration maps), read only. ``dstop[h]``: the token the draft stopped
     before by its probability (its inputs, weight set and profile at ``dx[h, k]``, ``dset[h, k]``,
     ``dsup[h, k]``), else -1. ``D``: the largest ``max_depth`` of the trees (it sizes the
-    scratch arrays; each scope reads contexts up to its own tree's depth). One thread; the rows
-    in order of their problem tree (a GRPO group's rows one after the other: the same drafts)."""
-    order = np.argsort(ri[handles, R_PROBLEM_TREE], kind="mergesort")
+    scratch arrays; each scope reads contexts up to its own tree's depth). One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, order, 0, 1)
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, 0, 1)
 
 
 @njit(cache=True, parallel=True)
 def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
                        out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
-    batches its rows: the rows ordered by problem tree are cut into ``parts`` runs of equal length,
-    one per thread, so that a GRPO group's rows, which read one problem tree, draft on one core
-    one after the other and find its rows in that core's cache (at 256 rows on 2 threads: 5-7%
-    less drafting time than rows dealt out in turn, which split every group over both cores;
-    benchmarks/README.md, "Step cost"). The same drafts. Rows only read the trees and the
+    batches its rows: part ``p`` drafts rows ``p, p + parts, ...`` (interleaved, so that long and
+    short drafts spread over the parts). The same drafts. Rows only read the trees and the
     weights and write their own row and handle, so the handles must be distinct (the caller
     checks)."""
-    order = np.argsort(ri[handles, R_PROBLEM_TREE], kind="mergesort")
-    n = order.shape[0]
     for p in prange(parts):
         _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, order[p * n // parts : (p + 1) * n // parts], 0, 1)
+                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, p, parts)
 
 
 @njit(cache=True)
 def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, rows, first, stride):
-    """:func:`mix_batch` for rows ``rows[first], rows[first + stride], ...``, with its own scratch arrays."""
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, first, stride):
+    """:func:`mix_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
     width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
     ld = np.empty((NT, D + 1), np.int64)
@@ -603,8 +596,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
         v = _rate_input(outcomes, 2, i)
         srange[0] = max(srange[0], v)
         srange[1] = min(srange[1], v)
-    for idx in range(first, rows.shape[0], stride):
-        r = rows[idx]
+    for r in range(first, handles.shape[0], stride):
         m = budgets[r]
         h = handles[r]
         k = 0
