@@ -473,15 +473,15 @@ def _replace_child(nodes, hash_table, meta, p, old, new):
 @njit(cache=True, inline="always")
 def _rekey_child(nodes, hash_table, meta, p, c, t):
     """Change the first token of child ``c`` of ``p`` to ``t`` (its key in ``p``'s hash)."""
-    if nodes[c, C_TOKEN] == t:
+    old = nodes[c, C_TOKEN]
+    if old == t:
         return
+    nodes[c, C_TOKEN] = t
     if nodes[p, C_FILTER] == HASHED:
         shift = meta[M_HASH_SHIFT]
-        _hash_delete(hash_table, shift, _child_key(p, nodes[c, C_TOKEN]))
+        _hash_delete(hash_table, shift, _child_key(p, old))
         _hash_insert(hash_table, shift, _child_key(p, t), c)
-        nodes[c, C_TOKEN] = t
     else:
-        nodes[c, C_TOKEN] = t
         nodes[p, C_FILTER] = _children_filter(nodes, p)
 
 
