@@ -102,8 +102,9 @@ from das._trie_kernels import (
     _edge_token,
     _find_child,
     _hash_slot,
-    borrowed_views,
+    address_of,
     prefetch,
+    views_at,
 )
 
 NT = 3  # scopes: problem tree, request tree, global tree
@@ -169,10 +170,11 @@ def _bucket_reps(lu, ld, lL, tr, c):
 
 
 @njit(cache=True)
-def _seq_loci(mem, s, lu, ld, lL, tr):
-    """Loci of slot ``s``'s context suffixes (its active loci), longest first, into row ``tr``
-    (at most the tree's own ``max_depth - 1``: the global tree is shallower than the others)."""
-    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
+def _seq_loci(a, s, lu, ld, lL, tr):
+    """Loci of slot ``s``'s context suffixes (its active loci) in the tree buffer at address ``a``,
+    longest first, into row ``tr`` (at most the tree's own ``max_depth - 1``: the global tree is
+    shallower than the others)."""
+    meta, nodes, weights, hash_table, seqs, pool = views_at(a)
     w = min(seqs[s, S_LEN], meta[M_MAX_DEPTH] - 1)
     c = 0
     for L in range(w, 0, -1):
@@ -186,22 +188,11 @@ def _seq_loci(mem, s, lu, ld, lL, tr):
 
 
 @njit(cache=True)
-def _last_token(mem, s):
-    """The last token of slot ``s``'s sequence (-1: empty)."""
-    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
+def _last_token(a, s):
+    """The last token of slot ``s``'s sequence in the tree buffer at address ``a`` (-1: empty)."""
+    meta, nodes, weights, hash_table, seqs, pool = views_at(a)
     n = seqs[s, S_LEN]
     return pool[seqs[s, S_BASE] + n - 1] if n > 0 else -1
-
-
-@njit(cache=True, inline="always")
-def _scope_mem(s, m0, m1, m2):
-    """Scope ``s``'s tree buffer (fetched from the tree table once per row: an item of a numba
-    typed List costs a call and a reference count, a local array nothing)."""
-    if s == 0:
-        return m0
-    if s == 1:
-        return m1
-    return m2
 
 
 @njit(cache=True, inline="always")
@@ -338,10 +329,11 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 
 
 @njit(cache=True)
-def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
+def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
          only, topn, kids, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
-    """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers ``m0``, ``m1``,
-    ``m2``; ``tix[s] < 0``: scope ``s`` absent, its buffer a placeholder). Writes the
+    """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers at ``addr[s]``,
+    :func:`das._trie_kernels.address_of`; ``tix[s] < 0``: scope ``s`` absent, its buffer a
+    placeholder). Writes the
     draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
     and weight set to ``xset[j]``; returns its length. A draft that stops by its probability
     also writes the token it stopped before to ``stop[0]`` (left as the caller set it otherwise)."""
@@ -355,7 +347,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
         for s in range(NT):
             if tix[s] < 0:
                 continue
-            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
+            meta, nodes, weights, hash_table, seqs, pool = views_at(addr[s])
             for i in range(nl[s]):
                 u = lu[s, i]
                 d = ld[s, i]
@@ -420,7 +412,7 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
                 if tix[s] < 0:
                     continue
                 deepest = 0
-                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
+                meta, nodes, weights, hash_table, seqs, pool = views_at(addr[s])
                 shift = meta[M_HASH_SHIFT]
                 first = True
                 for i in range(nl[s]):
@@ -484,13 +476,13 @@ def _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_
             break
         for s in range(NT):  # the new length-1 loci's hash slots (the root's children are hashed): their misses at once
             if tix[s] >= 0:
-                meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
+                meta, nodes, weights, hash_table, seqs, pool = views_at(addr[s])
                 prefetch(hash_table, 2 * _hash_slot(_child_key(0, bt), meta[M_HASH_SHIFT], hash_table.shape[0] - 1))
         li = 0
         for s in range(NT):  # every locus follows the drafted token
             if tix[s] < 0:
                 continue
-            meta, nodes, weights, hash_table, seqs, pool = borrowed_views(_scope_mem(s, m0, m1, m2))
+            meta, nodes, weights, hash_table, seqs, pool = views_at(addr[s])
             shift = meta[M_HASH_SHIFT]
             top = meta[M_MAX_DEPTH] - 1  # the scope's longest context (its tree's own depth)
             m = 0
@@ -576,6 +568,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     lL = np.empty((NT, D + 1), np.int64)
     nl = np.zeros(NT, np.int64)
     tix = np.empty(NT, np.int64)
+    addr = np.empty(NT, np.int64)  # the scopes' tree buffers by address (no reference counts in _mix)
     priors = np.empty(NT, np.float64)
     tops = np.empty(NT * (D + 1), np.int64)
     topc = np.empty(NT * (D + 1), np.float64)
@@ -596,6 +589,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
         v = _rate_input(outcomes, 2, i)
         srange[0] = max(srange[0], v)
         srange[1] = min(srange[1], v)
+    ga = address_of(trees[gti]) if gti >= 0 else 0
     for r in range(first, handles.shape[0], stride):
         m = budgets[r]
         h = handles[r]
@@ -607,23 +601,25 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             tix[0] = pt
             tix[1] = rt
             tix[2] = gti
-            m0 = trees[pt] if pt >= 0 else trees[rt]  # scopes' buffers (an absent scope's: a placeholder)
-            m1 = trees[rt] if rt >= 0 else m0
-            m2 = trees[gti] if gti >= 0 else m0
+            # the scopes' buffers by address (an absent scope's: a placeholder); the global tree's
+            # is taken once per call: every row reads it, and a typed List's item costs a count
+            addr[0] = address_of(trees[pt]) if pt >= 0 else address_of(trees[rt])
+            addr[1] = address_of(trees[rt]) if rt >= 0 else addr[0]
+            addr[2] = ga if gti >= 0 else addr[0]
             nl[:] = 0
             if pt >= 0:
                 priors[0] = tprior[pt]
-                nl[0] = _seq_loci(m0, ri[h, R_PROBLEM_SLOT], lu, ld, lL, 0)
+                nl[0] = _seq_loci(addr[0], ri[h, R_PROBLEM_SLOT], lu, ld, lL, 0)
             if rt >= 0:
                 priors[1] = req_prior
-                nl[1] = _seq_loci(m1, ri[h, R_REQUEST_SLOT], lu, ld, lL, 1)
+                nl[1] = _seq_loci(addr[1], ri[h, R_REQUEST_SLOT], lu, ld, lL, 1)
             if gti >= 0 and ri[h, R_GLOBAL_SLOT] >= 0:  # its live sequence in the global tree: its loci
                 priors[2] = gprior
-                nl[2] = _seq_loci(m2, ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
+                nl[2] = _seq_loci(addr[2], ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
             sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]
-            prev = _last_token(m0, sl)
+            prev = _last_token(addr[0], sl)
             dprev[h] = prev
-            k = _mix(m0, m1, m2, tix, priors, lu, ld, lL, nl, m, wt, min_prob, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
+            k = _mix(addr, tix, priors, lu, ld, lL, nl, m, wt, min_prob, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
                      totr, totp, feat, only, topn, kids, cand, sums, cnts, outcomes, prev, srange, dsup[h], stop)
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]

@@ -196,6 +196,39 @@ def _pointer_intrinsic(nbtype):
     return pointer
 
 
+def _pointer_at_intrinsic(nbtype):
+    """An intrinsic ``f(address, offset)``: the int64 word ``offset`` words past ``address`` (an
+    int64 from :func:`address_of`) as a pointer to ``nbtype`` (for :func:`numba.carray`)."""
+
+    @intrinsic
+    def pointer(typingctx, address, offset):
+        sig = types.CPointer(nbtype)(address, offset)
+
+        def codegen(context, builder, signature, args):
+            p = builder.gep(builder.inttoptr(args[0], ir.IntType(64).as_pointer()), [args[1]])
+            return builder.bitcast(p, context.get_value_type(types.CPointer(nbtype)))
+
+        return sig, codegen
+
+    return pointer
+
+
+@intrinsic
+def address_of(typingctx, arr):
+    """``address_of(arr)``: the address of ``arr``'s data as an int64. A kernel that keeps several
+    tree buffers at hand by address and builds views with :func:`views_at` pays no reference
+    counts: choosing between array arguments (``a if s == 0 else b``) makes numba count a
+    reference to the chosen array, two atomic operations on a counter that every thread drafting
+    from the same tree shares. Valid while ``arr`` is alive (a kernel argument, or an item of one)."""
+    sig = types.int64(arr)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, ir.IntType(64))
+
+    return sig, codegen
+
+
 @intrinsic
 def prefetch(typingctx, arr, i):
     """``prefetch(arr, i)``: hint the CPU to bring element ``i`` (a flat index) of the C-contiguous
@@ -218,6 +251,9 @@ def prefetch(typingctx, arr, i):
 _int32_pointer = _pointer_intrinsic(types.int32)
 _int64_pointer = _pointer_intrinsic(types.int64)
 _float64_pointer = _pointer_intrinsic(types.float64)
+_int32_at = _pointer_at_intrinsic(types.int32)
+_int64_at = _pointer_at_intrinsic(types.int64)
+_float64_at = _pointer_at_intrinsic(types.float64)
 
 
 @njit(cache=True, inline="always")
@@ -235,6 +271,20 @@ def borrowed_views(mem):
     hash_table = carray(_int64_pointer(mem, meta[M_HASH_AT]), (meta[M_HASH_CAP], 2))
     seqs = carray(_int32_pointer(mem, meta[M_SEQS_AT]), (meta[M_SEQ_CAP], meta[M_SEQ_COLS]))
     pool = carray(_int32_pointer(mem, meta[M_POOL_AT]), (meta[M_POOL_CAP],))
+    return meta, nodes, weights, hash_table, seqs, pool
+
+
+@njit(cache=True, inline="always")
+def views_at(address):
+    """:func:`borrowed_views` of the tree buffer at ``address`` (:func:`address_of`)."""
+    meta = carray(_int64_at(address, 0), (M_LEN,))
+    ncap = meta[M_NODE_CAP]
+    o = meta[M_NODES_AT]
+    nodes = carray(_int32_at(address, o), (ncap, NCOL))
+    weights = carray(_float64_at(address, o), (ncap, NCOL // 2))[:, NCOL // 2 - 2 :]
+    hash_table = carray(_int64_at(address, meta[M_HASH_AT]), (meta[M_HASH_CAP], 2))
+    seqs = carray(_int32_at(address, meta[M_SEQS_AT]), (meta[M_SEQ_CAP], meta[M_SEQ_COLS]))
+    pool = carray(_int32_at(address, meta[M_POOL_AT]), (meta[M_POOL_CAP],))
     return meta, nodes, weights, hash_table, seqs, pool
 
 
