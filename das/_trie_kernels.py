@@ -178,24 +178,6 @@ def buffer_views(mem: np.ndarray):
     return meta, nodes, weights, hash_table, seqs, pool
 
 
-def _pointer_intrinsic(nbtype):
-    """An intrinsic ``f(mem, offset)``: the address of the int64 word ``mem[offset]`` as a pointer to
-    ``nbtype`` (for :func:`numba.carray`)."""
-
-    @intrinsic
-    def pointer(typingctx, arr, offset):
-        sig = types.CPointer(nbtype)(arr, offset)
-
-        def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            p = builder.gep(ary.data, [args[1]])
-            return builder.bitcast(p, context.get_value_type(types.CPointer(nbtype)))
-
-        return sig, codegen
-
-    return pointer
-
-
 def _pointer_at_intrinsic(nbtype):
     """An intrinsic ``f(address, offset)``: the int64 word ``offset`` words past ``address`` (an
     int64 from :func:`address_of`) as a pointer to ``nbtype`` (for :func:`numba.carray`)."""
@@ -248,30 +230,9 @@ def prefetch(typingctx, arr, i):
     return sig, codegen
 
 
-_int32_pointer = _pointer_intrinsic(types.int32)
-_int64_pointer = _pointer_intrinsic(types.int64)
-_float64_pointer = _pointer_intrinsic(types.float64)
 _int32_at = _pointer_at_intrinsic(types.int32)
 _int64_at = _pointer_at_intrinsic(types.int64)
 _float64_at = _pointer_at_intrinsic(types.float64)
-
-
-@njit(cache=True, inline="always")
-def borrowed_views(mem):
-    """:func:`buffer_views` inside kernels. The views are borrowed (``numba.carray`` over ``mem``'s
-    memory, no reference count): building them costs about a nanosecond instead of ~170 ns for
-    slices, reshapes and dtype views, which matters when a call visits hundreds of trees. They
-    are valid while ``mem`` is (a kernel argument, or an item of one, always is) and must never
-    be returned to Python."""
-    meta = carray(_int64_pointer(mem, 0), (M_LEN,))
-    ncap = meta[M_NODE_CAP]
-    o = meta[M_NODES_AT]
-    nodes = carray(_int32_pointer(mem, o), (ncap, NCOL))
-    weights = carray(_float64_pointer(mem, o), (ncap, NCOL // 2))[:, NCOL // 2 - 2 :]
-    hash_table = carray(_int64_pointer(mem, meta[M_HASH_AT]), (meta[M_HASH_CAP], 2))
-    seqs = carray(_int32_pointer(mem, meta[M_SEQS_AT]), (meta[M_SEQ_CAP], meta[M_SEQ_COLS]))
-    pool = carray(_int32_pointer(mem, meta[M_POOL_AT]), (meta[M_POOL_CAP],))
-    return meta, nodes, weights, hash_table, seqs, pool
 
 
 @njit(cache=True, inline="always")
@@ -286,6 +247,16 @@ def views_at(address):
     seqs = carray(_int32_at(address, meta[M_SEQS_AT]), (meta[M_SEQ_CAP], meta[M_SEQ_COLS]))
     pool = carray(_int32_at(address, meta[M_POOL_AT]), (meta[M_POOL_CAP],))
     return meta, nodes, weights, hash_table, seqs, pool
+
+
+@njit(cache=True, inline="always")
+def borrowed_views(mem):
+    """:func:`buffer_views` inside kernels. The views are borrowed (``numba.carray`` over ``mem``'s
+    memory, no reference count): building them costs about a nanosecond instead of ~170 ns for
+    slices, reshapes and dtype views, which matters when a call visits hundreds of trees. They
+    are valid while ``mem`` is (a kernel argument, or an item of one, always is) and must never
+    be returned to Python."""
+    return views_at(address_of(mem))
 
 
 # ----------------------------------------------------------------------------- hash table
