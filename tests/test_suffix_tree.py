@@ -463,6 +463,28 @@ def test_kernel_access_slots_buffer_and_listener():
         t.slot_and_weight(a)
 
 
+def test_views_by_address_are_the_buffer_views():
+    """``views_at(address_of(buffer))``, how the kernels view a tree without reference counts, reads
+    the same arrays as ``buffer_views`` (every view, every element, after growth moved the tree)."""
+    from numba import njit
+
+    from das import _trie_kernels as kernels
+
+    @njit
+    def viewed(mem):
+        meta, nodes, weights, hash_table, seqs, pool = kernels.views_at(kernels.address_of(mem))
+        return meta.copy(), nodes.copy(), weights.copy(), hash_table.copy(), seqs.copy(), pool.copy()
+
+    t = SuffixTree(6)
+    t.add(np.arange(3000) % 13)
+    t.add([5, 6, 7, 5, 6, 8])
+    got, want = viewed(t.buffer), kernels.buffer_views(t.buffer)
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+    assert got[1].shape[0] > 0 and got[5].shape[0] > 3000
+
+
 def test_reserve_and_capacity_keep_a_growing_sequence_in_place():
     """``add(..., reserve=n)`` keeps room for the sequence to grow to ``n`` tokens without moving its
     pooled tokens, and ``SuffixTree(capacity=n)`` sizes the buffer so that the trie is not moved to a
