@@ -480,8 +480,8 @@ def test_views_by_address_are_the_buffer_views():
     t.add([5, 6, 7, 5, 6, 8])
     got, want = viewed(t.buffer), kernels.buffer_views(t.buffer)
     assert [g.shape for g in got] == [w.shape for w in want]
-    for g, w in zip(got, want):
-        assert g.dtype == w.dtype and np.array_equal(g, w)
+    for g, w in zip(got, want):  # bit for bit: unused rows may hold any bits, NaNs among them
+        assert g.dtype == w.dtype and np.array_equal(np.ascontiguousarray(g).view(np.uint8), np.ascontiguousarray(w).view(np.uint8))
     assert got[1].shape[0] > 0 and got[5].shape[0] > 3000
 
 
