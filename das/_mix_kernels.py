@@ -333,9 +333,8 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
          only, topn, kids, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers at ``addr[s]``,
     :func:`das._trie_kernels.address_of`; ``tix[s] < 0``: scope ``s`` absent, its buffer a
-    placeholder). Writes the
-    draft to ``out_tok`` / ``out_prob`` (path probabilities), each token's inputs to ``xrow[j]``
-    and weight set to ``xset[j]``; returns its length. A draft that stops by its probability
+    placeholder). Writes the draft to ``out_tok`` / ``out_prob`` (path probabilities), each
+    token's inputs to ``xrow[j]`` and weight set to ``xset[j]``; returns its length. A draft that stops by its probability
     also writes the token it stopped before to ``stop[0]`` (left as the caller set it otherwise)."""
     P = 1.0
     k = 0
