@@ -271,8 +271,8 @@ class DASDrafter:
             vLLM's n-gram proposer) from :data:`PARALLEL_ROWS` rows on, with either chooser; the
             trees and drafts are the same as on one thread. 0: this machine's
             physical cores available to the process, at most 8 (:func:`physical_cores`); 1: one
-            thread. Default 0 (step cost at 256 rows on a 2-core Zen 4: 2.3 ms instead of 4.1
-            on one thread with ``"mix"``, 0.70-0.78 ms with ``"walk"``; see benchmarks/README.md).
+            thread. Default 0 (step cost at 256 rows on a 2-core Zen 4: 2.0-2.1 ms instead of 4.2
+            on one thread with ``"mix"``, 0.69-0.78 ms with ``"walk"``; see benchmarks/README.md).
 
     Raises:
         ValueError: an argument of the wrong type or out of range (the message names it).
