@@ -95,7 +95,7 @@ def test_main_writes_the_report(tmp_path):
         for key in ("acceptance_length", "propose_us_p50", "propose_us_p99", "insert_ns_per_token", "bytes_per_token"):
             assert isinstance(e[key], (int, float)), (name, key)
         assert e["acceptance_length"] >= 1.0 and len(e["iterations"]) == 2
-    assert set(rep["targets"]) == {"propose_us_p50", "insert_ns_per_token", "bytes_per_token", "acceptance_length"}
+    assert set(rep["targets"]) == {"propose_us_p50", "insert_ns_per_token", "bytes_per_token", "acceptance_length", "drafted_per_accepted"}
     assert {(e["drafter"], e["k"]) for e in rep["grid"]} >= {("das", 4), ("arctic_suffix", 4), ("ngram", 4)}
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
@@ -142,3 +142,18 @@ def test_version_stride_spaces_the_policy_versions(tmp_path):
     assert seen == [1, 301, 601]
     with pytest.raises(SystemExit):
         main(["--version-stride", "0", "--trace", str(tmp_path / "trace.parquet")])
+
+
+def test_targets_are_issue_11s():
+    from benchmarks.replay import targets
+
+    def report(das_acc, das_dpa):
+        return targets({"das": {"acceptance_length": das_acc, "drafted_per_accepted": das_dpa},
+                        "arctic_suffix": {"acceptance_length": 2.0, "drafted_per_accepted": 3.0}})
+
+    t = report(2.24, 2.9)
+    assert t["acceptance_length"]["met"] and t["drafted_per_accepted"]["met"]
+    assert t["drafted_per_accepted"]["target"] == "< 1.0 x arctic"
+    t = report(2.2, 3.0)  # 1.1x arctic, and as many drafted per accepted: both missed
+    assert not t["acceptance_length"]["met"] and t["acceptance_length"]["gap"] == pytest.approx(-0.04)
+    assert not t["drafted_per_accepted"]["met"] and t["drafted_per_accepted"]["gap"] == 0.0
