@@ -112,6 +112,16 @@ def record_trace(path: Path, data: Path = DEFAULT_DATA, model: str | None = None
 # ----------------------------------------------------------------------------- replay
 
 
+def accepted_prefix(draft, truth, start: int) -> int:
+    """Draft tokens a deterministic drafter gets accepted: the length of the longest common prefix
+    of ``draft`` and ``truth[start:]`` (the real continuation; both sequences of token ids)."""
+    m = 0
+    lim = min(len(draft), len(truth) - start)
+    while m < lim and draft[m] == truth[start + m]:
+        m += 1
+    return m
+
+
 def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1, version_stride: int = 1) -> dict[str, Any]:
     """Replay ``iterations`` through ``adapter``; returns the metrics (see the module docstring).
 
@@ -185,9 +195,7 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
                     if nd:
                         if type(d) is not list:
                             d = d.tolist()
-                        lim = min(nd, L - p)
-                        while m < lim and d[m] == out[p + m]:
-                            m += 1
+                        m = accepted_prefix(d, out, p)
                     new = min(m + 1, L - p)
                     if calib and nd and adapter.last_probs is not None:
                         pr = np.asarray(adapter.last_probs, np.float64)

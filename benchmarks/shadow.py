@@ -27,20 +27,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks._replay_drafters import make_adapter
-from benchmarks.replay import CONFIGS, DEFAULT_K, load_trace, replay
+from benchmarks.replay import CONFIGS, DEFAULT_K, accepted_prefix, load_trace, replay
 from benchmarks.step_cost import find_trace
-
-
-def _accepted(draft, full: np.ndarray, n: int) -> int:
-    """Length of the longest common prefix of ``draft`` and ``full[n:]`` (tokens)."""
-    m = 0
-    lim = min(len(draft), full.shape[0] - n)
-    while m < lim and draft[m] == full[n + m]:
-        m += 1
-    return m
 
 
 class Shadowed:
@@ -90,7 +79,7 @@ class Shadowed:
             c[0] += 1
             c[1] += len(d) > 0
             c[2] += len(d)
-            c[3] += _accepted(d, full, n)
+            c[3] += accepted_prefix(d, full, n)
             if a is self.lead:
                 out = d
         self.last_probs = getattr(self.lead, "last_probs", None)
@@ -134,7 +123,7 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     trace = find_trace(args.trace)
-    if trace is None or not Path(trace).exists():
+    if trace is None or not trace.exists():
         print(f"no rollout trace at {args.trace!r}; record one as benchmarks/README.md, Replay, shows", file=sys.stderr)
         return 2
     CONFIGS.clear()
