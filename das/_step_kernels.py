@@ -8,11 +8,13 @@ the parts by tree (rows sharing a tree share a part, so no two threads touch one
 global tree's append and the learning run as extra work of two of those parts instead of one
 after the other on one thread while the other threads wait (256 rows on two threads: appending
 0.90 -> 0.75 ms; benchmarks/README.md, "Step cost"). The results are those of the serial order:
-no piece of work reads what another writes.
+no piece of work reads what another writes. Which part appends which tree is chosen per step by
+:func:`balance_parts`, so that the parts carrying the global tree or the learning get fewer trees.
 """
 
 from __future__ import annotations
 
+import numpy as np
 from numba import njit, prange
 
 from das._mix_kernels import learn_rows
@@ -49,3 +51,46 @@ def insert_batch_parallel(trees, ri, rw, handles, tokens, starts, ends, owner, p
                 stops[p, 1] = part
                 stops[p, 2] = d
                 break
+
+
+@njit(cache=True)
+def balance_parts(keys, work, parts, base):
+    """Which of ``parts`` threads appends each row: rows with the same ``keys[r]`` (their tree,
+    ``int64[rows]``, ``>= 0``) get the same part, and whole trees go to parts so that the largest
+    load is small (longest first, each to the least loaded part: Graham's LPT rule, at most 4/3 of
+    the optimum). ``work``: ``int64[rows]``, tokens each row appends; ``base``: ``float64[parts]``,
+    each part's load before any tree (the global tree's append, the learning), in the same units.
+    Returns ``int64[rows]`` in ``[0, parts)``. Without it, a part that also carries the global
+    tree got as many trees as the others and the step waited for it (benchmarks/README.md,
+    "Step cost", on a 16-core GPU host)."""
+    rows = keys.shape[0]
+    order = np.argsort(keys, kind="mergesort")
+    gkey = np.empty(rows, np.int64)  # the distinct keys, and the tokens of each
+    gwork = np.zeros(rows, np.float64)
+    g = -1
+    for i in range(rows):
+        r = order[i]
+        if g < 0 or keys[r] != gkey[g]:
+            g += 1
+            gkey[g] = keys[r]
+        gwork[g] += work[r]
+    n = g + 1
+    load = base.copy()
+    part_of = np.empty(n, np.int64)
+    for g in np.argsort(-gwork[:n], kind="mergesort"):
+        best = 0
+        for p in range(1, parts):
+            if load[p] < load[best]:
+                best = p
+        part_of[g] = best
+        load[best] += gwork[g]
+    owner = np.empty(rows, np.int64)
+    g = -1
+    last = -1
+    for i in range(rows):
+        r = order[i]
+        if g < 0 or keys[r] != last:
+            g += 1
+            last = keys[r]
+        owner[r] = part_of[g]
+    return owner

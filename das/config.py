@@ -59,7 +59,7 @@ class DASConfig(BaseModel):
                               "the rollouts of every problem share lies in contexts of 1-3 tokens; 4 accepts as much as 12 on the "
                               "replays with 9-29% less memory per stored token and 7-15% less drafter CPU per step")
     mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
-    draft_threads: int = Field(0, ge=0, description="threads that append and draft a step's rows at once (steps of 128 rows or "
+    draft_threads: int = Field(0, ge=0, description="threads that append and draft a step's rows at once (steps of 16 rows or "
                                "more, as vLLM's n-gram proposer); 0: this machine's physical cores, at most 8")
     budget: str = Field("cost", description="speculation budget, one of scheduler.budgets (proposer): "
                                             + _budgets.describe("proposer"))

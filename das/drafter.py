@@ -66,9 +66,18 @@ _new_tuple = tuple.__new__
 __all__ = ["DASDrafter", "DraftBatch", "PARALLEL_ROWS", "physical_cores", "problem_id"]
 
 _RESCALE_LOG2 = 40.0  # rescale a problem tree when a new weight would exceed 2**40
-# rows from which the batch verbs run on several threads: below it a step's appending and drafting
-# take well under a millisecond on one core, and waking the thread pool costs tens of microseconds
-PARALLEL_ROWS = 128
+# rows from which the batch verbs run on several threads. Measured with step_cost, one thread
+# against the default threads: at 16 rows 0.18 ms either way on 2 Zen 4 cores, 0.48 -> 0.26 ms on
+# a 16-core GPU host's Xeon (8 threads); at 32 rows 0.60 -> 0.45 and 0.67 -> 0.30; at 64 rows
+# 0.85 -> 0.48 and 1.69 -> 0.52 (benchmarks/README.md, "Step cost"). Below 16 rows waking the
+# threads would cost about what it saves.
+PARALLEL_ROWS = 16
+# the global tree's append and the mixer's learning, per appended token, in units of a row's
+# appends to its problem and request trees: measured on one thread at 256 rows (step_cost's
+# workload, Zen 4): rows 0.73 ms, global tree 0.23 ms, learning 0.12 ms. They set how many trees
+# the parts that carry those two pieces get (:func:`das._step_kernels.balance_parts`).
+GLOBAL_APPEND_COST = 0.3
+LEARN_COST = 0.15
 
 
 def problem_id(prompt_token_ids) -> str:
@@ -816,13 +825,21 @@ class DASDrafter:
         stops there; that row is finished here and the part's later rows are appended on one
         thread (the global tree's likewise)."""
         pt = self._ri[handles, kernels.R_PROBLEM_TREE]
-        owner = np.where(pt >= 0, pt, self._ri[handles, kernels.R_REQUEST_TREE]) % parts
+        keys = np.where(pt >= 0, pt, self._ri[handles, kernels.R_REQUEST_TREE])
+        work = ends - starts
+        glob = self._global is not None
+        gpart, lpart = (parts - 1 if glob else -1), (0 if self.chooser == "mix" else -1)
+        base = np.zeros(parts)
+        total = float(work.sum())
+        if glob:
+            base[gpart] += GLOBAL_APPEND_COST * total
+        if lpart >= 0:
+            base[lpart] += LEARN_COST * total
+        owner = step_kernels.balance_parts(keys, work, parts, base)
         stops = np.empty((parts, 3), np.int64)
         gstop = np.full(2, -1, np.int64)
         learned = np.zeros(1, np.int64)
-        glob = self._global is not None
         gmem = self._global.buffer if glob else self._tab._none
-        gpart, lpart = (parts - 1 if glob else -1), (0 if self.chooser == "mix" else -1)
         self._on_threads(parts, step_kernels.insert_batch_parallel, self._tab.bufs, self._ri, self._rw, handles, tokens, starts, ends, owner,
                          parts, stops, gmem, gpart, gstop, lpart, learned, self._wt, self._g2, self.mix_lr, self._dtok, self._dx,
                          self._dset, self._dk, self._outcomes, self._dprev, self._dsup, self._dstop)
