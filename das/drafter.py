@@ -66,11 +66,11 @@ _new_tuple = tuple.__new__
 __all__ = ["DASDrafter", "DraftBatch", "PARALLEL_ROWS", "physical_cores", "problem_id"]
 
 _RESCALE_LOG2 = 40.0  # rescale a problem tree when a new weight would exceed 2**40
-# rows from which the batch verbs run on several threads. Measured with step_cost, one thread
-# against the default threads: at 16 rows 0.18 ms either way on 2 Zen 4 cores, 0.48 -> 0.26 ms on
-# a 16-core GPU host's Xeon (8 threads); at 32 rows 0.60 -> 0.45 and 0.67 -> 0.30; at 64 rows
-# 0.85 -> 0.48 and 1.69 -> 0.52 (benchmarks/README.md, "Step cost"). Below 16 rows waking the
-# threads would cost about what it saves.
+# rows from which the batch verbs run on several threads. `python -m benchmarks.step_ab --ab
+# threshold`, one thread against the default threads, ms per step: at 16 rows 0.205 -> 0.190 on 2
+# Zen 4 cores, 0.481 -> 0.264 on a 16-core GPU host's Xeon (8 threads); at 32 rows 0.421 -> 0.374
+# and 0.671 -> 0.296; at 64 rows 0.871 -> 0.522 and 1.686 -> 0.524 (benchmarks/README.md, "Step
+# cost"). Below 16 rows waking the threads would cost about what it saves.
 PARALLEL_ROWS = 16
 # the global tree's append and the mixer's learning, per appended token, in units of a row's
 # appends to its problem and request trees: measured on one thread at 256 rows (step_cost's
@@ -78,6 +78,13 @@ PARALLEL_ROWS = 16
 # the parts that carry those two pieces get (:func:`das._step_kernels.balance_parts`).
 GLOBAL_APPEND_COST = 0.3
 LEARN_COST = 0.15
+# threads from which a step's trees are balanced so (below: dealt by tree id modulo the threads).
+# `step_ab --ab owner` at 256 rows, appending p50: on a 16-core Xeon, 8 threads, 0.69 / 0.46 ms
+# balanced against 0.83 / 0.60 by id (two runs); on 2 Zen 4 cores by id was faster (0.58 / 0.66
+# against 0.65 / 0.73): with two threads the two pieces already sit on different threads, and the
+# balancing's own ~10 us and its tree groups that change from step to step cost more than the
+# evening out saves.
+BALANCED_PARTS = 4
 
 
 def problem_id(prompt_token_ids) -> str:
@@ -821,21 +828,26 @@ class DASDrafter:
         once (:func:`das._step_kernels.insert_batch_parallel`; they touch disjoint memory, so the
         result is the serial one). Rows are split by problem tree (a row without one by its
         request tree), so each tree is appended to by one thread, in row order; the global tree's
-        appends run on the last part, the learning on the first. A part whose tree ran short
-        stops there; that row is finished here and the part's later rows are appended on one
-        thread (the global tree's likewise)."""
+        appends run on the last part, the learning on the first, and from :data:`BALANCED_PARTS`
+        parts on whole trees go to the least loaded part (:func:`das._step_kernels.balance_parts`),
+        those two counted in (below it, trees are dealt by id modulo the parts). A part whose
+        tree ran short stops there; that row is finished here and the part's later rows are
+        appended on one thread (the global tree's likewise)."""
         pt = self._ri[handles, kernels.R_PROBLEM_TREE]
         keys = np.where(pt >= 0, pt, self._ri[handles, kernels.R_REQUEST_TREE])
         work = ends - starts
         glob = self._global is not None
         gpart, lpart = (parts - 1 if glob else -1), (0 if self.chooser == "mix" else -1)
-        base = np.zeros(parts)
-        total = float(work.sum())
-        if glob:
-            base[gpart] += GLOBAL_APPEND_COST * total
-        if lpart >= 0:
-            base[lpart] += LEARN_COST * total
-        owner = step_kernels.balance_parts(keys, work, parts, base)
+        if parts >= BALANCED_PARTS:
+            base = np.zeros(parts)
+            total = float(work.sum())
+            if glob:
+                base[gpart] += GLOBAL_APPEND_COST * total
+            if lpart >= 0:
+                base[lpart] += LEARN_COST * total
+            owner = step_kernels.balance_parts(keys, work, parts, base)
+        else:
+            owner = keys % parts
         stops = np.empty((parts, 3), np.int64)
         gstop = np.full(2, -1, np.int64)
         learned = np.zeros(1, np.int64)

@@ -253,13 +253,15 @@ def test_a_global_tree_that_runs_short_mid_batch_grows_and_takes_the_rest():
     d._check_batch_state()
 
 
-def test_parallel_batches_match_one_thread(monkeypatch):
+@pytest.mark.parametrize("balanced_parts", [2, 1 << 30], ids=["balanced", "by_id"])
+def test_parallel_batches_match_one_thread(monkeypatch, balanced_parts):
     """``draft_threads=2`` appends and drafts a step's rows on two threads (numba ``prange``):
     the same trees, draft tokens, path probabilities and learning state as one thread, step after
     step, also when a tree runs short of capacity mid-batch (that part finishes on one thread; the
     global tree, appended with the learning beside the other trees' parts, likewise) and
     when a request has two rows (appended in order; drafted on one thread, as its rows would
-    write one pending draft)."""
+    write one pending draft). With the trees dealt to the threads by load
+    (:func:`das._step_kernels.balance_parts`) and by id."""
     import numba
 
     import das.drafter as drafter_module
@@ -267,6 +269,7 @@ def test_parallel_batches_match_one_thread(monkeypatch):
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has one thread here")
     monkeypatch.setattr(drafter_module, "PARALLEL_ROWS", 8)
+    monkeypatch.setattr(drafter_module, "BALANCED_PARTS", balanced_parts)
     rng = np.random.default_rng(3)
     kw = dict(window=4, max_depth=8, min_token_prob=0.05, global_rollouts=16)
     one, two = DASDrafter(draft_threads=1, **kw), DASDrafter(draft_threads=2, **kw)

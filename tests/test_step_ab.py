@@ -1,0 +1,39 @@
+"""The in-process A/B of the drafter's threading rules: both arms replay the same steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import das.drafter as drafter_module
+from benchmarks.replay import load_trace
+from benchmarks.step_ab import main, run_pair, set_arm
+from tests.test_step_cost import _trace
+
+
+@pytest.mark.parametrize("ab", ["owner", "threshold"])
+def test_both_arms_take_the_same_steps_and_the_rules_are_restored(tmp_path, ab):
+    before = (drafter_module.BALANCED_PARTS, drafter_module.PARALLEL_ROWS)
+    arms = run_pair(load_trace(_trace(tmp_path)), ab, rows=16, repeats=2, max_steps=30, config={"draft_threads": 2})
+    assert len(arms) == 2
+    (a, sa), (b, sb) = arms.items()
+    assert sa["steps"] == sb["steps"] > 0
+    assert len(sa["run_p50_ms"]) == len(sb["run_p50_ms"]) == 2
+    assert (drafter_module.BALANCED_PARTS, drafter_module.PARALLEL_ROWS) == before
+
+
+def test_a_bad_pair_or_arm_names_the_choices():
+    with pytest.raises(ValueError, match="ab must be one of"):
+        run_pair([], "nope", rows=4, repeats=1)
+    with pytest.raises(ValueError, match="arm must be one of"):
+        set_arm("fast")
+
+
+def test_report(tmp_path):
+    out = tmp_path / "ab.json"
+    assert main(["--ab", "owner", "--trace", str(_trace(tmp_path)), "--rows", "16", "--repeats", "2", "--threads", "2",
+                 "--max-steps", "20", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["arms"]) == {"modulo", "balanced"} and report["rows"] == 16
+    assert main(["--ab", "owner", "--trace", str(tmp_path / "missing.parquet")]) == 2
