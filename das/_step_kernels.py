@@ -8,8 +8,9 @@ the parts by tree (rows sharing a tree share a part, so no two threads touch one
 global tree's append and the learning run as extra work of two of those parts instead of one
 after the other on one thread while the other threads wait (256 rows on two threads: appending
 0.90 -> 0.75 ms; benchmarks/README.md, "Step cost"). The results are those of the serial order:
-no piece of work reads what another writes. Which part appends which tree is chosen per step by
-:func:`balance_parts`, so that the parts carrying the global tree or the learning get fewer trees.
+no piece of work reads what another writes. From :data:`das.drafter.BALANCED_PARTS` parts on,
+which part appends which tree is chosen per step by :func:`balance_parts`, so that the parts that
+carry the global tree or the learning get fewer trees (below it: tree id modulo the parts).
 """
 
 from __future__ import annotations
