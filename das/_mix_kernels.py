@@ -103,6 +103,7 @@ from das._trie_kernels import (
     _find_child,
     _hash_slot,
     address_of,
+    fetch_add,
     prefetch,
     views_at,
 )
@@ -541,26 +542,30 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     ``dsup[h, k]``), else -1. ``D``: the largest ``max_depth`` of the trees (it sizes the
     scratch arrays; each scope reads contexts up to its own tree's depth). One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, 0, 1)
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, np.empty(0, np.int64))
 
 
 @njit(cache=True, parallel=True)
 def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
                        out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
-    batches its rows: part ``p`` drafts rows ``p, p + parts, ...`` (interleaved, so that long and
-    short drafts spread over the parts). The same drafts. Rows only read the trees and the
-    weights and write their own row and handle, so the handles must be distinct (the caller
-    checks)."""
+    batches its rows. Each part claims the next undrafted row from a shared counter
+    (:func:`das._trie_kernels.fetch_add`) until none is left, so a part that drew short drafts
+    takes more rows instead of waiting for one that drew long ones. The same drafts. Rows only
+    read the trees and the weights and write their own row and handle, so the handles must be
+    distinct (the caller checks)."""
+    claim = np.zeros(1, np.int64)
     for p in prange(parts):
         _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, p, parts)
+                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, claim)
 
 
 @njit(cache=True)
 def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, first, stride):
-    """:func:`mix_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, claim):
+    """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
+    (``int64[1]``, shared by the parts) until every row is taken; ``claim`` empty: every row, in
+    order. With its own scratch arrays."""
     width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
     ld = np.empty((NT, D + 1), np.int64)
@@ -589,7 +594,17 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
         srange[0] = max(srange[0], v)
         srange[1] = min(srange[1], v)
     ga = address_of(trees[gti]) if gti >= 0 else 0
-    for r in range(first, handles.shape[0], stride):
+    rows = handles.shape[0]
+    shared = claim.shape[0] > 0
+    nxt = 0
+    while True:
+        if shared:
+            r = fetch_add(claim, 0, 1)
+        else:
+            r = nxt
+            nxt += 1
+        if r >= rows:
+            break
         m = budgets[r]
         h = handles[r]
         k = 0

@@ -230,6 +230,25 @@ def prefetch(typingctx, arr, i):
     return sig, codegen
 
 
+@intrinsic
+def fetch_add(typingctx, arr, i, v):
+    """``fetch_add(arr, i, v)``: add ``v`` to ``arr[i]`` (``arr``: a C-contiguous ``int64`` array,
+    ``i`` a flat index) as one atomic operation and return the value before (``atomicrmw add``,
+    monotonic: the counter alone is ordered, no other memory). Threads of a ``prange`` claim
+    work from a shared counter with it: each gets a distinct value."""
+    if not (isinstance(arr, types.Array) and arr.dtype == types.int64):
+        return None
+    sig = types.int64(arr, i, v)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        ptr = builder.gep(ary.data, [args[1]])
+        val = context.cast(builder, args[2], signature.args[2], types.int64)
+        return builder.atomic_rmw("add", ptr, val, "monotonic")
+
+    return sig, codegen
+
+
 _int32_at = _pointer_at_intrinsic(types.int32)
 _int64_at = _pointer_at_intrinsic(types.int64)
 _float64_at = _pointer_at_intrinsic(types.float64)

@@ -51,3 +51,27 @@ def test_the_largest_load_is_within_one_tree_of_the_average(rows, parts, base8):
     tree_work = np.bincount(keys, weights=work)
     bound = max(base.max(), (work.sum() + base.sum()) / parts + tree_work.max())
     assert loads(owner, work, parts, base).max() <= bound + 1e-9
+
+
+def test_threads_claiming_from_one_counter_get_each_value_once():
+    """:func:`das._trie_kernels.fetch_add` is atomic: threads claiming rows from one counter (as
+    the ``mix`` drafting kernel's parts do) take every row exactly once."""
+    from numba import njit, prange
+
+    from das._trie_kernels import fetch_add
+
+    @njit(parallel=True)
+    def claim_all(n, parts):
+        counter = np.zeros(1, np.int64)
+        claims = np.zeros(n, np.int64)
+        for p in prange(parts):
+            while True:
+                r = fetch_add(counter, 0, 1)
+                if r >= n:
+                    break
+                claims[r] += 1
+        return claims, counter
+
+    claims, counter = claim_all(20_000, 4)
+    assert claims.min() == claims.max() == 1, "a row was claimed twice or never"
+    assert counter[0] == 20_000 + 4  # each part's last claim went past the end once
