@@ -555,7 +555,7 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
     read the trees and the weights and write their own row and handle, so the handles must be
     distinct (the caller checks)."""
     claim = np.zeros(1, np.int64)
-    for p in prange(parts):
+    for _p in prange(parts):
         _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
                   dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, claim)
 

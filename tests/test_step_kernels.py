@@ -64,7 +64,7 @@ def test_threads_claiming_from_one_counter_get_each_value_once():
     def claim_all(n, parts):
         counter = np.zeros(1, np.int64)
         claims = np.zeros(n, np.int64)
-        for p in prange(parts):
+        for _p in prange(parts):
             while True:
                 r = fetch_add(counter, 0, 1)
                 if r >= n:
