@@ -289,7 +289,7 @@ class DASDrafter:
             physical cores available to the process, at most 8 (:func:`physical_cores`); 1: one
             thread. Default 0 (step cost at 256 rows on a 2-core Zen 4: 2.0-2.1 ms instead of 4.2
             on one thread with ``"mix"``, 0.69-0.78 ms with ``"walk"``; on a 16-core GPU host's
-            Xeon 1.46 ms with the default 8 threads and 0.99 ms with 16, where cores are spare;
+            Xeon 1.5-1.6 ms with the default 8 threads and 1.0-1.4 ms with 16, where cores are spare;
             see benchmarks/README.md, "Step cost"). The cap of 8 is the one vLLM's n-gram proposer
             gives: the engine's frontend (tokenizing) and structured outputs need threads too.
 
