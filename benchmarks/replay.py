@@ -32,6 +32,7 @@ import argparse
 import gc
 import importlib.util
 import json
+import operator
 import os
 import subprocess
 import sys
@@ -363,6 +364,7 @@ FRONTIER = (
 # ----------------------------------------------------------------------------- report
 
 
+_DIRECTIONS = {"le": ("<=", operator.le), "lt": ("<", operator.lt), "ge": (">=", operator.ge)}
 TARGETS = (
     # (metric, direction, ratio): DAS must be <= / < (lower is better) or >= ratio x arctic. The last
     # two are issue 11's: 1.12x arctic's acceptance with fewer drafted tokens per accepted one.
@@ -385,9 +387,9 @@ def targets(drafters: dict[str, dict[str, Any]]) -> dict[str, Any]:
         if a is None or not b:
             continue
         ratio = a / b
-        met = ratio <= need if how == "le" else ratio < need if how == "lt" else ratio >= need
+        sign, holds = _DIRECTIONS[how]
+        met = holds(ratio, need)
         goal = b * need
-        sign = {"le": "<=", "lt": "<", "ge": ">="}[how]
         out[metric] = {"das": a, "arctic_suffix": b, "ratio": round(ratio, 3), "target": f"{sign} {need} x arctic",
                        "met": bool(met), "gap": None if met else round(a - goal, 3)}
     return out

@@ -96,13 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     config = {"draft_threads": args.threads} if args.threads else {}
     iterations = load_trace(trace)
-    warm_up(iterations, DEFAULT_K, ("batch",), config)
-    saved = drafter_module.PARALLEL_ROWS
-    drafter_module.PARALLEL_ROWS = 8  # load the threaded kernels too
-    try:
-        simulate(Workload([rs[:8] for rs in iterations], 16), "batch", DEFAULT_K, 5, config)
-    finally:
-        drafter_module.PARALLEL_ROWS = saved
+    warm_up(iterations, DEFAULT_K, ("batch",), config)  # the threaded kernels too
     arms = run_pair(iterations, args.ab, args.rows, args.repeats, max_steps=args.max_steps, config=config)
     threads = threads_of(config)
     print(f"trace: {trace}; {args.rows} rows; draft threads {threads}; CPU: {cpu_model()} ({os.cpu_count()} cores)")

@@ -542,7 +542,7 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     ``dsup[h, k]``), else -1. ``D``: the largest ``max_depth`` of the trees (it sizes the
     scratch arrays; each scope reads contexts up to its own tree's depth). One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, np.empty(0, np.int64))
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, np.zeros(1, np.int64))
 
 
 @njit(cache=True, parallel=True)
@@ -564,8 +564,8 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
 def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
               dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, claim):
     """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
-    (``int64[1]``, shared by the parts) until every row is taken; ``claim`` empty: every row, in
-    order. With its own scratch arrays."""
+    (``int64[1]``, from 0, shared by the parts; alone, a part takes every row in order) until
+    every row is taken. With its own scratch arrays."""
     width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
     ld = np.empty((NT, D + 1), np.int64)
@@ -595,14 +595,8 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
         srange[1] = min(srange[1], v)
     ga = address_of(trees[gti]) if gti >= 0 else 0
     rows = handles.shape[0]
-    shared = claim.shape[0] > 0
-    nxt = 0
     while True:
-        if shared:
-            r = fetch_add(claim, 0, 1)
-        else:
-            r = nxt
-            nxt += 1
+        r = fetch_add(claim, 0, 1)
         if r >= rows:
             break
         m = budgets[r]
