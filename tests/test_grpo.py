@@ -176,6 +176,7 @@ def test_greedy_training_curve_is_identical_with_and_without_das(tiny_model, tmp
     for method in ("none", "das"):
         rec = _tiny_recipe(tiny_model, method, temperature=0.0)
         rec["log"]["json"] = str(tmp_path / f"{method}.jsonl")
+        rec["log"]["trace"] = str(tmp_path / f"{method}.parquet")
         runs[method] = run(rec, reward_fn=_toy_reward, keep_rollouts=True)
     a, b = runs["none"], runs["das"]
     assert len(a.steps) == len(b.steps) == 2
@@ -193,6 +194,14 @@ def test_greedy_training_curve_is_identical_with_and_without_das(tiny_model, tmp
     # the JSON log has one line per step plus header and summary
     lines = (tmp_path / "das.jsonl").read_text().strip().splitlines()
     assert len(lines) == 4 and '"summary"' in lines[-1]
+    # log.trace: every step's rollouts, iteration = step and policy version = step + 1 (das-rollout's numbering)
+    from integrations.data.trace import read_trace
+
+    trace = read_trace(tmp_path / "das.parquet")
+    assert [(r.iteration, r.policy_version) for r in trace] == [(s, s + 1) for s in range(2) for _ in b.steps[s]["rollouts"]]
+    assert [(r.problem_id, r.sample, r.output_ids) for r in trace] == [tuple(x) for st in b.steps for x in st["rollouts"]]
+    assert all(r.prompt_ids and r.finish_reason in ("stop", "length") for r in trace)
+    assert not list(tmp_path.glob("*.partial.parquet"))  # moved over log.trace at the end
 
 
 @pytest.mark.engine
@@ -284,6 +293,13 @@ def test_an_existing_or_unwritable_log_is_refused_before_anything_starts(tmp_pat
         run(None, overrides=["log.json=/proc/das-no-such-dir/log.jsonl", "model=/nonexistent"])
     with pytest.raises(ValueError, match="code_timeout_s"):
         run(None, overrides=["reward.code_timeout_s=0"])
+    trace = tmp_path / "trace.parquet"
+    trace.write_bytes(b"an earlier trace")
+    with pytest.raises(ValueError, match="trace.parquet.*exists"):
+        run(None, overrides=[f"log.trace={trace}", "log.json=null", "model=/nonexistent"])
+    assert trace.read_bytes() == b"an earlier trace"
+    with pytest.raises(ValueError, match=r"log.trace must be null or a .parquet path, got '/tmp/t.csv'"):
+        run(None, overrides=["log.trace=/tmp/t.csv"])
 
 
 def test_code_data_without_a_sandbox_stops_before_the_engine(tiny_model, monkeypatch, no_engine):

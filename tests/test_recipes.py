@@ -220,3 +220,14 @@ def test_nemo_rl_recipe_matches_builder_and_runs_in_vllm(tiny_model):
     finally:
         del llm
         release_engine_state()
+
+
+def test_exponent_floats_without_a_dot_are_numbers(tmp_path):
+    # PyYAML follows YAML 1.1, where 1e-4 is a string; recipes read it as YAML 1.2 does
+    r = load_recipe("grpo_dsr_sub", ["train.lr=1e-4", "train.weight_decay=2E-2", "log.json=null"])
+    assert (r.train.lr, r.train.weight_decay) == (1e-4, 0.02)
+    path = tmp_path / "r.yaml"
+    path.write_text("steps: 3\ntrain:\n  lr: 5e-6\n  mini_batches: 1\nlog:\n  json: null\n")
+    r = load_recipe(path)
+    assert r.train.lr == 5e-6 and isinstance(r.train.lr, float) and r.train.mini_batches == 1
+    assert load_recipe("grpo_dsr_sub", ["log.json=1e-4x"]).log.json == "1e-4x"  # not a number: stays a string

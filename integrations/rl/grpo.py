@@ -20,6 +20,12 @@ One step (policy version ``v`` generates, then becomes ``v + 1``):
    in-place reload, prefix cache reset; no restart) and advance the drafter's window to the new
    policy version (:func:`integrations.vllm_ext.control.begin_iteration`).
 
+With ``log.trace`` (a ``.parquet`` path) every step's rollouts are also written as a rollout trace
+(:mod:`integrations.data.trace`: iteration = step, ``policy_version`` = step + 1, as ``das-rollout
+--trace`` numbers them), so ``python -m benchmarks.replay --trace`` can replay drafters on rollouts
+of a policy that trains between iterations. It is rewritten after every step to
+``<name>.partial.parquet`` and moved over ``log.trace`` when the run completes.
+
 Logged per step (progress bar, and JSON lines with ``log.json``): reward mean / std, accuracy,
 format rate, loss, clip fraction, approximate KL between the sampling and the updated policy
 (and the KL to the reference when ``kl_coef > 0``), gradient norm, rollout wall time, time of
@@ -346,6 +352,7 @@ def run(
     rec.validate()
     # Everything that can be checked is checked before the engine starts.
     log_path = check_output_path(rec.log.json, overwrite=rec.log.overwrite) if rec.log.json else None
+    trace_path = check_output_path(rec.log.trace, overwrite=rec.log.overwrite) if rec.log.trace else None
     cpu_runtime.apply_cpu_defaults()
     torch.manual_seed(rec.seed)
     model_dir = resolve_model(rec.model)
@@ -382,6 +389,8 @@ def run(
 
         bar = tqdm(total=rec.steps, desc=f"grpo ({spec.method})", unit="step", file=sys.stderr)
     records: list[dict[str, Any]] = []
+    traced: list[Any] = []  # integrations.data.trace.Rollout rows of the steps so far (log.trace)
+    trace_partial = trace_path.with_name(trace_path.stem + ".partial.parquet") if trace_path is not None else None
     version = 0
     try:
         if das:
@@ -442,6 +451,13 @@ def run(
             if log_f is not None:
                 log_f.write(json.dumps(record) + "\n")
                 log_f.flush()
+            if trace_partial is not None:  # the steps so far, rewritten each step (atomically): a failed run leaves them
+                from integrations.data.trace import Rollout as TraceRow
+                from integrations.data.trace import write_trace
+
+                traced.extend(TraceRow(step, version, r.problem_id, r.sample, list(r.prompt_ids), list(r.output_ids), r.finish_reason)
+                              for r in batch.rollouts)
+                write_trace(trace_partial, traced)
             if keep_rollouts:
                 record["rollouts"] = [(r.problem_id, r.sample, r.output_ids) for r in batch.rollouts]
                 record["rewards"] = scores
@@ -473,6 +489,8 @@ def run(
         log_f.write(json.dumps({"summary": summary}) + "\n")
         log_f.close()
         os.replace(partial, log_path)
+    if trace_partial is not None and trace_partial.exists():
+        os.replace(trace_partial, trace_path)
     return GRPOResult(rec.to_dict(), records, trainer, summary)
 
 
@@ -507,11 +525,13 @@ def check_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> Recipe
         problem_source(rec.data)
     except (OSError, ValueError) as exc:
         p.error(f"data {rec.data!r}: {exc}")
-    if rec.log.json:
-        try:
-            check_output_path(rec.log.json, overwrite=rec.log.overwrite)
-        except ValueError as exc:
-            p.error(f"log.json: {exc}")
+    for key in ("json", "trace"):
+        path = getattr(rec.log, key)
+        if path:
+            try:
+                check_output_path(path, overwrite=rec.log.overwrite)
+            except ValueError as exc:
+                p.error(f"log.{key}: {exc}")
     return rec
 
 

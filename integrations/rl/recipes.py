@@ -152,7 +152,8 @@ class TrainSection:
 @dataclasses.dataclass
 class LogSection:
     json: str | None = None  # JSON-lines log, one record per step plus a summary
-    overwrite: bool = False  # replace an existing log.json (else the run refuses to start)
+    trace: str | None = None  # rollout trace (.parquet, integrations.data.trace) of every step's rollouts, for benchmarks.replay
+    overwrite: bool = False  # replace an existing log.json / log.trace (else the run refuses to start)
     progress: bool = True
 
 
@@ -269,6 +270,7 @@ _RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("train", "autocast_bf16"): (lambda v: isinstance(v, bool), "true or false"),
     ("train", "skip_zero_advantage_groups"): (lambda v: isinstance(v, bool), "true or false"),
     ("log", "json"): (lambda v: v is None or (isinstance(v, str) and v.strip() != ""), "null or a path"),
+    ("log", "trace"): (lambda v: v is None or (isinstance(v, str) and v.strip().lower().endswith(".parquet")), "null or a .parquet path"),
     ("log", "overwrite"): (lambda v: isinstance(v, bool), "true or false"),
     ("log", "progress"): (lambda v: isinstance(v, bool), "true or false"),
 }
@@ -291,11 +293,43 @@ def _check_fields(rec: Recipe) -> list[str]:
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 
 
-def load_yaml(path: str | Path) -> Any:
+_FLOAT_1_2 = r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+_loader: Any = None
+
+
+def _yaml_loader() -> Any:
+    """PyYAML's safe loader, reading ``1e-4`` as a float as YAML 1.2 does (PyYAML follows YAML
+    1.1, where a float needs a dot: ``1e-4`` would be the string ``'1e-4'``, and ``lr=1e-4``
+    would fail as not a number)."""
+    global _loader
+    if _loader is None:
+        import re
+
+        import yaml
+
+        class Loader(yaml.SafeLoader):
+            pass
+
+        Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+        for first in "-+0123456789.":
+            Loader.yaml_implicit_resolvers[first] = [(tag, rx) for tag, rx in Loader.yaml_implicit_resolvers.get(first, [])
+                                                     if tag != "tag:yaml.org,2002:float"]
+        pattern = re.compile(_FLOAT_1_2)
+        Loader.add_implicit_resolver("tag:yaml.org,2002:float", pattern, list("-+0123456789."))
+        _loader = Loader
+    return _loader
+
+
+def parse_yaml(text: Any) -> Any:
+    """YAML text (a string or a file) to Python, with :func:`_yaml_loader`."""
     import yaml
 
+    return yaml.load(text, Loader=_yaml_loader())
+
+
+def load_yaml(path: str | Path) -> Any:
     with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)
+        return parse_yaml(f)
 
 
 def _build(cls: type, data: Mapping[str, Any], where: str):
@@ -320,9 +354,7 @@ _SUB = {(Recipe, "rollout"): RolloutSection, (Recipe, "speculative"): Speculativ
 
 
 def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (value parsed as YAML) to a nested dict, in place; returns it."""
-    import yaml
-
+    """Apply ``a.b.c=value`` overrides (value parsed as YAML, ``1e-4`` a float) to a nested dict, in place; returns it."""
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not key=value")
@@ -333,7 +365,7 @@ def apply_overrides(data: dict[str, Any], overrides: Iterable[str]) -> dict[str,
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ValueError(f"override {item!r}: {p!r} is not a section")
-        node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+        node[parts[-1]] = parse_yaml(raw) if raw.strip() else None
     return data
 
 
