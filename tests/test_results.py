@@ -8,7 +8,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from integrations.data.trace import SCHEMA, Rollout, read_trace, write_trace
+from integrations.data.trace import SCHEMA, Rollout, TraceWriter, read_trace, write_trace
 from integrations.results import atomic_output, check_output_path, write_atomic
 
 
@@ -102,3 +102,27 @@ def test_bad_trace_files_raise_naming_the_file(tmp_path):
     pq.write_table(pa.table(wrong), tmp_path / "type.parquet")
     with pytest.raises(ValueError, match="type.parquet.*'sample'"):
         read_trace(tmp_path / "type.parquet")
+
+
+def test_trace_writer_appends_steps_and_moves_the_file_only_when_complete(tmp_path):
+    path = tmp_path / "runs" / "t.parquet"
+    w = TraceWriter(path)
+    assert w.close() is None and not path.exists()  # nothing written: no file
+    w = TraceWriter(path)
+    w.write(_rollouts(2))
+    w.write([Rollout(1, 2, "q", 0, [1], [9, 9], "length")])
+    assert not path.exists() and w.partial.exists()
+    assert w.close() == path and not w.partial.exists()
+    assert [(r.iteration, r.problem_id, r.output_ids) for r in read_trace(path)] == [
+        (0, "p0", [4, 5, 6, 7]), (0, "p1", [4, 5, 6, 7]), (1, "q", [9, 9])]
+    assert pq.ParquetFile(path).num_row_groups == 2  # one per write: a step costs only its own rollouts
+    with pytest.raises(ValueError, match="t.parquet.*exists"):
+        TraceWriter(path)
+    # a run that fails: the finished steps stay in the partial file, the earlier trace as it was
+    before = path.read_bytes()
+    w = TraceWriter(path, overwrite=True)
+    w.write(_rollouts(1))
+    with pytest.raises(ValueError, match="rollout 0: sample must be an int >= 0"):
+        w.write([Rollout(1, 2, "q", -1, [1], [2], "stop")])
+    assert w.close(complete=False) == w.partial
+    assert path.read_bytes() == before and len(read_trace(w.partial)) == 1

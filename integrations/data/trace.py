@@ -19,6 +19,7 @@ Traces are generated data: write them to a cache or output directory, never to t
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,61 @@ def _check_rollout(i: int, r: Any) -> None:
             raise ValueError(f"rollout {i}: {name} must be a list of token ids, got {type(ids).__name__}")
 
 
+def _table(rollouts: list[Rollout]) -> pa.Table:
+    """``rollouts`` as a table of :data:`SCHEMA` (checked)."""
+    rollouts = list(rollouts)
+    for i, r in enumerate(rollouts):
+        _check_rollout(i, r)
+    columns = {name: [getattr(r, name) for r in rollouts] for name in SCHEMA.names}
+    try:
+        return pa.table(columns, schema=SCHEMA)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
+        raise ValueError(f"rollouts do not fit the trace schema: {exc}") from None
+
+
+class TraceWriter:
+    """A trace written as a run goes: one parquet row group per :meth:`write` (an RL step's
+    rollouts), into ``<stem>.partial.parquet`` beside ``path``, moved over ``path`` by
+    :meth:`close` once the run completed. Each call writes only its own rollouts, so a long run
+    costs what its rollouts do. A run that fails still closes the writer (``complete=False``):
+    the partial file then holds the steps written so far, and an earlier file at ``path`` stays
+    as it was.
+
+    Raises (constructor):
+        ValueError: as :func:`integrations.results.check_output_path` (``path`` exists and
+            ``overwrite`` is False, or cannot be written).
+    """
+
+    def __init__(self, path: str | Path, *, overwrite: bool = False):
+        from integrations.results import check_output_path
+
+        self.path = check_output_path(path, overwrite=overwrite)
+        self.partial = self.path.with_name(self.path.stem + ".partial.parquet")
+        self._writer: pq.ParquetWriter | None = None
+        self.rows = 0
+
+    def write(self, rollouts: list[Rollout]) -> None:
+        """Append ``rollouts`` as one row group (ValueError: a rollout that does not fit the schema)."""
+        table = _table(rollouts)
+        if self._writer is None:
+            self.partial.parent.mkdir(parents=True, exist_ok=True)
+            self._writer = pq.ParquetWriter(self.partial, SCHEMA)
+        self._writer.write_table(table)
+        self.rows += table.num_rows
+
+    def close(self, complete: bool = True) -> Path | None:
+        """Finish the file; with ``complete``, move it over ``path`` and return ``path``, else
+        return the partial file's path (None when nothing was written)."""
+        if self._writer is None:
+            return None
+        self._writer.close()
+        self._writer = None
+        if not complete:
+            return self.partial
+        os.replace(self.partial, self.path)
+        return self.path
+
+
 def write_trace(path: str | Path, rollouts: list[Rollout], *, overwrite: bool = True) -> Path:
     """Write ``rollouts`` to a parquet file at ``path`` (parent directories are created).
 
@@ -83,15 +139,8 @@ def write_trace(path: str | Path, rollouts: list[Rollout], *, overwrite: bool = 
     """
     from integrations.results import atomic_output, check_output_path
 
-    rollouts = list(rollouts)
-    for i, r in enumerate(rollouts):
-        _check_rollout(i, r)
+    table = _table(rollouts)
     path = check_output_path(path, overwrite=overwrite)
-    columns = {name: [getattr(r, name) for r in rollouts] for name in SCHEMA.names}
-    try:
-        table = pa.table(columns, schema=SCHEMA)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, OverflowError) as exc:
-        raise ValueError(f"rollouts do not fit the trace schema: {exc}") from None
     with atomic_output(path) as tmp:
         pq.write_table(table, tmp)
     return path

@@ -23,8 +23,9 @@ One step (policy version ``v`` generates, then becomes ``v + 1``):
 With ``log.trace`` (a ``.parquet`` path) every step's rollouts are also written as a rollout trace
 (:mod:`integrations.data.trace`: iteration = step, ``policy_version`` = step + 1, as ``das-rollout
 --trace`` numbers them), so ``python -m benchmarks.replay --trace`` can replay drafters on rollouts
-of a policy that trains between iterations. It is rewritten after every step to
-``<name>.partial.parquet`` and moved over ``log.trace`` when the run completes.
+of a policy that trains between iterations. Each step appends its rollouts to
+``<name>.partial.parquet`` (:class:`integrations.data.trace.TraceWriter`), moved over ``log.trace``
+when the run completes; a failed run leaves the partial file with the steps it finished.
 
 Logged per step (progress bar, and JSON lines with ``log.json``): reward mean / std, accuracy,
 format rate, loss, clip fraction, approximate KL between the sampling and the updated policy
@@ -352,7 +353,7 @@ def run(
     rec.validate()
     # Everything that can be checked is checked before the engine starts.
     log_path = check_output_path(rec.log.json, overwrite=rec.log.overwrite) if rec.log.json else None
-    trace_path = check_output_path(rec.log.trace, overwrite=rec.log.overwrite) if rec.log.trace else None
+    trace_path = check_output_path(rec.log.trace, overwrite=rec.log.overwrite) if rec.log.trace else None  # opened below
     cpu_runtime.apply_cpu_defaults()
     torch.manual_seed(rec.seed)
     model_dir = resolve_model(rec.model)
@@ -389,8 +390,12 @@ def run(
 
         bar = tqdm(total=rec.steps, desc=f"grpo ({spec.method})", unit="step", file=sys.stderr)
     records: list[dict[str, Any]] = []
-    traced: list[Any] = []  # integrations.data.trace.Rollout rows of the steps so far (log.trace)
-    trace_partial = trace_path.with_name(trace_path.stem + ".partial.parquet") if trace_path is not None else None
+    tracer = None
+    if trace_path is not None:
+        from integrations.data.trace import Rollout as TraceRow
+        from integrations.data.trace import TraceWriter
+
+        tracer = TraceWriter(trace_path, overwrite=rec.log.overwrite)
     version = 0
     try:
         if das:
@@ -451,13 +456,9 @@ def run(
             if log_f is not None:
                 log_f.write(json.dumps(record) + "\n")
                 log_f.flush()
-            if trace_partial is not None:  # the steps so far, rewritten each step (atomically): a failed run leaves them
-                from integrations.data.trace import Rollout as TraceRow
-                from integrations.data.trace import write_trace
-
-                traced.extend(TraceRow(step, version, r.problem_id, r.sample, list(r.prompt_ids), list(r.output_ids), r.finish_reason)
-                              for r in batch.rollouts)
-                write_trace(trace_partial, traced)
+            if tracer is not None:  # one row group per step; policy_version = step + 1 (the version that sampled them, 1-based)
+                tracer.write([TraceRow(step, version, r.problem_id, r.sample, list(r.prompt_ids), list(r.output_ids), r.finish_reason)
+                              for r in batch.rollouts])
             if keep_rollouts:
                 record["rollouts"] = [(r.problem_id, r.sample, r.output_ids) for r in batch.rollouts]
                 record["rewards"] = scores
@@ -475,6 +476,8 @@ def run(
             bar.close()
         if log_f is not None and sys.exc_info()[0] is not None:
             log_f.close()  # a failed run leaves <log>.partial; an earlier <log> stays as it was
+        if tracer is not None:
+            tracer.close(complete=sys.exc_info()[0] is None)  # failed: <trace>.partial.parquet holds the steps done
         del llm
         release_engine_state()
     summary = {
@@ -489,8 +492,6 @@ def run(
         log_f.write(json.dumps({"summary": summary}) + "\n")
         log_f.close()
         os.replace(partial, log_path)
-    if trace_partial is not None and trace_partial.exists():
-        os.replace(trace_partial, trace_path)
     return GRPOResult(rec.to_dict(), records, trainer, summary)
 
 
