@@ -14,7 +14,7 @@ each output position ``i >= n``, the context is the ``n`` tokens before ``i``:
 
 The reference for age ``a`` is the earlier group without the sample of the same index, and for
 age 0 the rollout's live siblings (its own group without itself), so every reference holds
-``n - 1`` rollouts of a group of ``n`` and the rows compare like with like. Printed per age:
+``G - 1`` rollouts of a group of ``G`` and the rows compare like with like. Printed per age:
 visit pairs, positions, coverage (covered / positions), accuracy (hits / covered) and hit rate
 (hits / positions). On a trace from a fixed policy (``das-rollout --trace``) the rows fall only
 with the randomness of sampling; on one from a training run (``das-grpo ... log.trace=PATH``)
