@@ -341,6 +341,8 @@ def run(
 
     from integrations.data.models import resolve_model
     from integrations.data.problems import load_problems, render_prompts
+    from integrations.data.trace import Rollout as TraceRow
+    from integrations.data.trace import TraceWriter
     from integrations.results import check_output_path
     from integrations.rl.rewards import check_sandbox, make_reward_fn, overlong_penalty
     from integrations.vllm_ext import control
@@ -353,7 +355,7 @@ def run(
     rec.validate()
     # Everything that can be checked is checked before the engine starts.
     log_path = check_output_path(rec.log.json, overwrite=rec.log.overwrite) if rec.log.json else None
-    trace_path = check_output_path(rec.log.trace, overwrite=rec.log.overwrite) if rec.log.trace else None  # opened below
+    tracer = TraceWriter(rec.log.trace, overwrite=rec.log.overwrite) if rec.log.trace else None  # checks the path; writes per step
     cpu_runtime.apply_cpu_defaults()
     torch.manual_seed(rec.seed)
     model_dir = resolve_model(rec.model)
@@ -390,12 +392,6 @@ def run(
 
         bar = tqdm(total=rec.steps, desc=f"grpo ({spec.method})", unit="step", file=sys.stderr)
     records: list[dict[str, Any]] = []
-    tracer = None
-    if trace_path is not None:
-        from integrations.data.trace import Rollout as TraceRow
-        from integrations.data.trace import TraceWriter
-
-        tracer = TraceWriter(trace_path, overwrite=rec.log.overwrite)
     version = 0
     try:
         if das:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import json
 import math
 from collections.abc import Callable, Iterable, Mapping
@@ -294,30 +295,24 @@ _SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 
 
 _FLOAT_1_2 = r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
-_loader: Any = None
-
-
+@functools.cache
 def _yaml_loader() -> Any:
     """PyYAML's safe loader, reading ``1e-4`` as a float as YAML 1.2 does (PyYAML follows YAML
     1.1, where a float needs a dot: ``1e-4`` would be the string ``'1e-4'``, and ``lr=1e-4``
     would fail as not a number)."""
-    global _loader
-    if _loader is None:
-        import re
+    import re
 
-        import yaml
+    import yaml
 
-        class Loader(yaml.SafeLoader):
-            pass
+    class Loader(yaml.SafeLoader):
+        pass
 
-        Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-        for first in "-+0123456789.":
-            Loader.yaml_implicit_resolvers[first] = [(tag, rx) for tag, rx in Loader.yaml_implicit_resolvers.get(first, [])
-                                                     if tag != "tag:yaml.org,2002:float"]
-        pattern = re.compile(_FLOAT_1_2)
-        Loader.add_implicit_resolver("tag:yaml.org,2002:float", pattern, list("-+0123456789."))
-        _loader = Loader
-    return _loader
+    Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first in "-+0123456789.":
+        Loader.yaml_implicit_resolvers[first] = [(tag, rx) for tag, rx in Loader.yaml_implicit_resolvers.get(first, [])
+                                                 if tag != "tag:yaml.org,2002:float"]
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_1_2), list("-+0123456789."))
+    return Loader
 
 
 def parse_yaml(text: Any) -> Any:
