@@ -31,7 +31,8 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
   (1, 2, 3-4, 5-8, 9-16, 17+ tokens) of ``stretch(p)``, ``p = count(t) / (count(all) + prior_s)``
   clipped to ``[0.002, 0.998]`` (``stretch(p) = ln(p / (1 - p))``, read from a table in steps of
   1/4096); 0 where no locus is there;
-* ``[1 + NT * NB + s]``: ``stretch(p)`` at scope ``s``'s longest locus;
+* ``[LONGEST + l * NT + s]``: ``stretch(p)`` at scope ``s``'s longest locus, where ``l`` is that
+  locus's count level (:func:`_count_level`);
 * ``[NIN - 3]`` (:data:`PAIR_RATE`) and ``[NIN - 2]`` (:data:`TOKEN_RATE`): the engine's own
   outcomes so far, ``stretch((accepted + 1) / (drafted + 2))`` of ``t`` as a draft token after
   the context's last token ``prev`` (the pair hashed), and of ``t`` after any token: the trees
@@ -48,6 +49,17 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
   secondary estimate keyed by context order does (replay: +0.2-0.7% acceptance; at equal drafted
   tokens per accepted one +0.3-0.4%);
 * ``[NIN - 1]``: agreement, ``2 * (share of all loci whose most frequent next token is t) - 1``.
+
+Count levels. A locus's total weighted count (``count(all)``) says how much evidence its ``p``
+rests on: ``1 / 1`` and ``90 / 100`` stretch to nearly the same input, and the prior shrinks the
+first only a little. So each scope's longest-locus input comes in :data:`COUNT_LEVELS` copies,
+one per level of that locus's total (below 2, 2 to 8, 8 and more), and the mixer learns a weight
+for each: how far a long context seen once can be trusted against one seen often (PAQ's mixers
+select their weights by such context confidence too). Replay on DSR-sub, where the defaults are
+chosen: +0.4-0.5% acceptance at 0.3-0.6% fewer drafted tokens per accepted one, at
+``min_token_prob`` 0.07, 0.1 and 0.13; on the other eleven traces -0.1% to +0.4% acceptance
+(benchmarks/README.md, "Count levels"). Three copies of every scope x bucket input as well (68
+inputs instead of 32) did no better on DSR-sub.
 
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
 scopes in order, longest locus first). The mixer's logit is ``w[set] . x`` with
@@ -110,7 +122,12 @@ from das._trie_kernels import (
 
 NT = 3  # scopes: problem tree, request tree, global tree
 NB = 6  # match-length buckets: 1, 2, 3-4, 5-8, 9-16, 17+
-NIN = 5 + NT * NB + NT  # mixer inputs (see the module docstring)
+COUNT_LEVELS = 3  # levels of a locus's total weighted count: below LEVEL_2, below LEVEL_3, the rest
+LEVEL_2 = 2.0
+LEVEL_3 = 8.0
+NCTX = NT * NB  # scope x match-length bucket inputs
+LONGEST = 1 + NCTX  # first of the longest-locus inputs (count level x scope)
+NIN = 5 + NCTX + COUNT_LEVELS * NT  # mixer inputs (see the module docstring)
 NSETS = 4  # weight sets, by draft position 0, 1, 2, 3+
 AGREE = NIN - 1
 TOKEN_RATE = NIN - 2
@@ -135,7 +152,7 @@ def initial_weights() -> np.ndarray:
     average of the contexts' stretched probabilities), 0 elsewhere. Learned online from there."""
     w = np.zeros(NSETS * NIN)
     for s in range(NSETS):
-        w[s * NIN + 1 : s * NIN + 1 + NT * NB] = 0.3
+        w[s * NIN + 1 : s * NIN + 1 + NCTX] = 0.3
     return w
 
 
@@ -150,6 +167,12 @@ def _bucket(L):
     if L <= 16:
         return 4
     return 5
+
+
+@njit(cache=True, inline="always")
+def _count_level(tot):
+    """Count level (0, 1, 2) of a locus whose continuations' total weighted count is ``tot``."""
+    return (tot >= LEVEL_2) + (tot >= LEVEL_3)
 
 
 @njit(cache=True)
@@ -197,15 +220,17 @@ def _last_token(a, s):
 
 
 @njit(cache=True, inline="always")
-def _add_input(sums, cnts, f, s, st, first):
+def _add_input(sums, cnts, f, s, st, first, tot):
     """Add a locus's stretched probability ``st`` to its scope x bucket input ``f`` and, for the
-    scope's first (longest) locus, to the scope's longest-locus input; returns False (the next
-    locus of the scope is not the first)."""
+    scope's first (longest) locus, whose total weighted count is ``tot``, to the scope's
+    longest-locus input of that count level; returns False (the next locus of the scope is not
+    the first)."""
     sums[f] += st
     cnts[f] += 1.0
     if first:
-        sums[1 + NT * NB + s] = st
-        cnts[1 + NT * NB + s] = 1.0
+        g = LONGEST + _count_level(tot) * NT + s
+        sums[g] = st
+        cnts[g] = 1.0
     return False
 
 
@@ -284,7 +309,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
             else:
                 c = max(totr[j] - topc[j], 0.0) * (1.0 + 1e-9)  # the margin covers the rounding of the totals
             st = _STRETCH[min(int(c / totp[j] * _LEVELS), _LEVELS - 1)] if c > 0.0 else _ST0
-            first = _add_input(sums, cnts, feat[j], s, st, first)
+            first = _add_input(sums, cnts, feat[j], s, st, first, totr[j])
         j0 += nl[s]
     most = 0.0
     thi = -1e300  # the outcome-rate inputs: their range over the other candidates (two reads each)
@@ -432,7 +457,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                         st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)] if cnt > 0.0 else _ST0
                     if deepest == 0 and st > _ST0:  # the loci are longest first
                         deepest = 1 + _bucket(lL[s, i])
-                    first = _add_input(sums, cnts, feat[j], s, st, first)
+                    first = _add_input(sums, cnts, feat[j], s, st, first, totr[j])
                 sup += deepest
             sums[SUPPORT_RATE] = _rate_input(outcomes, 2, sup)
             cnts[SUPPORT_RATE] = 1.0

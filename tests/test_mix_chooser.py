@@ -173,10 +173,24 @@ def test_global_tree_keeps_the_newest_rollouts_only():
     d._check_batch_state()
 
 
+@pytest.mark.parametrize("rollouts, level", [(1, 0), (4, 1), (12, 2)])
+def test_the_longest_context_feeds_the_input_of_its_count_level(rollouts, level):
+    """A context seen once and one seen a dozen times give nearly the same stretched probability;
+    the scope's longest-locus input goes to the copy of its count level (total weighted count
+    below 2, 2 to 8, 8 and more), so the mixer weighs the two apart."""
+    d = DASDrafter(global_rollouts=0)
+    _start_on_new_problem(d, "p", rollouts=rollouts)
+    assert d.speculate("p", 4).tokens.tolist()[:1] == [8]
+    x = d._dx[d._handles_of(["p"])[0], 0]  # the first draft token's inputs, pending until verified
+    slots = [mixing.LONGEST + lv * mixing.NT for lv in range(mixing.COUNT_LEVELS)]  # scope 0: the problem tree
+    assert [x[g] != 0.0 for g in slots] == [lv == level for lv in range(mixing.COUNT_LEVELS)]
+
+
 def test_initial_weights_average_the_scopes_and_the_schema_names_the_chooser():
     w = mixing.initial_weights().reshape(mixing.NSETS, mixing.NIN)
-    assert (w[:, 0] == 0).all() and (w[:, 1 : 1 + mixing.NT * mixing.NB] == 0.3).all()
-    assert (w[:, 1 + mixing.NT * mixing.NB :] == 0).all()
+    assert (w[:, 0] == 0).all() and (w[:, 1 : 1 + mixing.NCTX] == 0.3).all()
+    assert (w[:, 1 + mixing.NCTX :] == 0).all()
+    assert mixing.LONGEST == 1 + mixing.NCTX and mixing.NIN == 5 + mixing.NCTX + mixing.COUNT_LEVELS * mixing.NT
     with pytest.raises(ValueError, match="chooser must be one of mix, walk, got 'best'"):
         DASDrafter(chooser="best")
     with pytest.raises(ValueError, match="mix_lr must be a finite number > 0, got 0"):
