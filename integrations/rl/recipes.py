@@ -294,7 +294,11 @@ def _check_fields(rec: Recipe) -> list[str]:
 _SECTIONS = {f.name: f.type for f in dataclasses.fields(Recipe)}
 
 
+# YAML 1.2's float (``1e-4`` included) and the characters such a scalar can start with
 _FLOAT_1_2 = r"^[-+]?(?:[0-9][0-9_]*\.?[0-9_]*|\.[0-9_]+)(?:[eE][-+]?[0-9]+)?$|^[-+]?\.(?:inf|Inf|INF)$|^\.(?:nan|NaN|NAN)$"
+_FLOAT_FIRST = "-+0123456789."
+
+
 @functools.cache
 def _yaml_loader() -> Any:
     """PyYAML's safe loader, reading ``1e-4`` as a float as YAML 1.2 does (PyYAML follows YAML
@@ -308,10 +312,10 @@ def _yaml_loader() -> Any:
         pass
 
     Loader.yaml_implicit_resolvers = {k: list(v) for k, v in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-    for first in "-+0123456789.":
+    for first in _FLOAT_FIRST:
         Loader.yaml_implicit_resolvers[first] = [(tag, rx) for tag, rx in Loader.yaml_implicit_resolvers.get(first, [])
                                                  if tag != "tag:yaml.org,2002:float"]
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_1_2), list("-+0123456789."))
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(_FLOAT_1_2), list(_FLOAT_FIRST))
     return Loader
 
 
