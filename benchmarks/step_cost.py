@@ -38,6 +38,15 @@ The garbage collector is off while timing. From ``das.drafter.PARALLEL_ROWS`` ro
 path drafts on the drafter's ``draft_threads`` (default: this machine's physical cores, at most
 8; ``--das '{"draft_threads": 1}'`` for one), printed in the header.
 
+Deferred global appends (``--das '{"defer_global": true}' --gpu-ms G``): the drafter leaves each
+step's appends to its global tree to a background thread that runs while the accelerator
+verifies; ``--gpu-ms`` waits ``G`` ms after each step, untimed, for that forward pass (a 7B
+decode step on a GPU: ~25 ms). A step's time then holds only what the engine waits for (the
+appends to the problem and request trees, the learning, the drafts, and any wait for a
+background append not yet done); ``deferred_ms`` is the background's own time per step. With
+``--gpu-ms 0`` the next step waits for it. The per-row path appends at once, so its drafts differ
+and only the batch paths are checked against each other.
+
 JSON (``--json``): ``{"rows": {"256": {"p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms",
 "mean_ms", "steps", ..., "per_row": {same keys}}}, "trace": ..., "machine": ..., "draft_threads": ...}``: the top-level
 keys of a row count are the batch path's; ``per_row`` and ``proposer`` hold those paths' (when run).
@@ -134,8 +143,20 @@ def stand_in_proposer(drafter, k: int, max_model_len: int):
     return prop, runner
 
 
-def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Run the engine steps of ``work`` through one path; returns per-step times (ns) and counts."""
+def wait_forward(ms: float) -> None:
+    """Wait ``ms`` milliseconds as an engine's main thread waits for the accelerator's forward
+    pass: busy (a sleeping core wakes cold: 16 rows took 0.6 ms a step after 20 ms asleep against
+    0.2 back to back, one thread, Zen 4), but giving the GIL away at every turn, as a blocking
+    CUDA copy does, so a background thread runs meanwhile."""
+    end = time.perf_counter_ns() + int(ms * 1e6)
+    while time.perf_counter_ns() < end:
+        time.sleep(0)
+
+
+def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str, Any] | None = None,
+             gpu_ms: float = 0.0) -> dict[str, Any]:
+    """Run the engine steps of ``work`` through one path; returns per-step times (ns) and counts.
+    ``gpu_ms``: the accelerator's forward pass after each step (:func:`wait_forward`, untimed)."""
     d = work.drafter(**(config or {}))
     R = work.rows
     tok = np.zeros((R, work.width), np.int32)  # as vLLM's token_ids_cpu: row r = its request's tokens
@@ -247,6 +268,8 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
             add_ns.append(wa - w0)
             cpu_ns.append(c1 - c0)
             steps += 1
+            if gpu_ms:
+                wait_forward(gpu_ms)
             seen[:] = num
             # finished requests leave, queued ones take their rows (timed apart)
             done = np.flatnonzero(num >= length)
@@ -267,7 +290,7 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
             gc.enable()
     return {"wall_ns": np.asarray(wall_ns, np.int64), "cpu_ns": np.asarray(cpu_ns, np.int64),
             "add_ns": np.asarray(add_ns, np.int64), "steps": steps,
-            "tokens": tokens, "lifecycle_ns": life_ns, "drafter": d.stats()}
+            "tokens": tokens, "lifecycle_ns": life_ns, "deferred_ns": d.deferred_ns, "drafter": d.stats()}
 
 
 def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
@@ -286,21 +309,25 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
         "steps": int(r0["steps"]),
         "tokens_per_row_step": round(r0["tokens"] / (r0["steps"] * rows), 3),
         "lifecycle_ms_mean": round(float(np.mean([r["lifecycle_ns"] for r in runs])) / 1e6 / r0["steps"], 4),
+        # the global tree's appends on the background thread (``defer_global``), per step: off the step's path
+        "deferred_ms_mean": round(float(np.mean([r["deferred_ns"] for r in runs])) / 1e6 / r0["steps"], 4),
         "repeats": len(runs),
     }
 
 
 def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=DEFAULT_PATHS,
-            config: dict[str, Any] | None = None) -> dict[str, Any]:
+            config: dict[str, Any] | None = None, gpu_ms: float = 0.0) -> dict[str, Any]:
     work = Workload(iterations, rows)
     runs: dict[str, list] = {p: [] for p in paths}
     for i in range(repeats):
         for p in (paths if i % 2 == 0 else paths[::-1]):
             print(f"rows {rows}: {p} (repeat {i + 1}/{repeats}) ...", file=sys.stderr, flush=True)
-            runs[p].append(simulate(work, p, k, max_steps, config))
+            runs[p].append(simulate(work, p, k, max_steps, config, gpu_ms))
     # per_row and batch make the same drafts; the proposer stops a finished request one step
     # later (at its next call, as in the engine), which can change a later draft a little
     steps = {p: {r["steps"] for r in rs} for p, rs in runs.items()}
+    if (config or {}).get("defer_global"):  # per-row calls append to the global tree at once: other drafts
+        steps = {p: v for p, v in steps.items() if p != "per_row"}
     if len({s for p, v in steps.items() if p != "proposer" for s in v}) > 1 or any(len(v) != 1 for v in steps.values()):
         raise AssertionError(f"the paths drafted differently (steps per run: {steps})")
     out = {p: summarize(rs, rows) for p, rs in runs.items()}
@@ -355,14 +382,16 @@ def format_table(report: dict[str, Any]) -> str:
             if name == "batch" and e.get("per_row"):
                 sp = f"{e['per_row']['p50_ms'] / x['p50_ms']:.1f}x"
             rows.append([int(key), name, *(float(x[k]) for k in ("p50_ms", "add_p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "us_per_row_p50")),
-                         int(x["steps"]), float(x["tokens_per_row_step"]), sp])
-    head = ["rows", "path", "p50_ms", "append_p50", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "speedup_p50"]
+                         int(x["steps"]), float(x["tokens_per_row_step"]), float(x.get("deferred_ms_mean", 0.0)), sp])
+    head = ["rows", "path", "p50_ms", "append_p50", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "deferred_ms",
+            "speedup_p50"]
     machine = report["machine"]
     title = (f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, {report['trace']['iterations']} iterations); "
              f"K = {report['k']}; CPU: {machine['cpu']} ({machine['cpu_count']} cores); "
-             f"draft threads {report.get('draft_threads', 1)} from {report.get('parallel_rows', '-')} rows")
-    table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ""], colalign=[
-        "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
+             f"draft threads {report.get('draft_threads', 1)} from {report.get('parallel_rows', '-')} rows; "
+             f"forward pass between steps {report.get('gpu_ms', 0.0)} ms")
+    table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ".3f", ""], colalign=[
+        "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
     return f"{title}\n\n{table}"
 
 
@@ -376,6 +405,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=400, help="engine steps per run at most")
     p.add_argument("--repeats", type=int, default=3, help="runs per path, interleaved (a step's time: its fastest)")
     p.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="some of per_row, batch, proposer (comma-separated)")
+    p.add_argument("--gpu-ms", type=float, default=0.0,
+                   help="the accelerator's forward pass after each step, ms (waited busy, untimed; with --das "
+                        "'{\"defer_global\": true}' the global tree's appends run then); default 0")
     p.add_argument("--das", default=None, help="JSON of DASDrafter settings (e.g. '{\"chooser\": \"walk\"}'); default: the defaults")
     p.add_argument("--json", default=None, help="write the report here")
     return p.parse_args(argv)
@@ -387,6 +419,9 @@ def main(argv=None) -> int:
     rows = sorted({int(x) for arg in given for x in arg.split(",") if x.strip()})
     if not rows or min(rows) < 1 or args.k < 1 or args.repeats < 1 or args.max_steps < 1:
         print("--rows, --k, --repeats and --max-steps must be >= 1", file=sys.stderr)
+        return 2
+    if not args.gpu_ms >= 0:
+        print(f"--gpu-ms must be >= 0, got {args.gpu_ms}", file=sys.stderr)
         return 2
     paths = tuple(p for p in PATHS if p in {x.strip() for x in args.paths.split(",")})
     if not paths:
@@ -413,13 +448,14 @@ def main(argv=None) -> int:
         "k": args.k,
         "das": config,
         "draft_threads": threads_of(config),
+        "gpu_ms": args.gpu_ms,
         "parallel_rows": PARALLEL_ROWS,
         "machine": {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
                     "loadavg_1m_at_start": round(os.getloadavg()[0], 2)},
         "rows": {},
     }
     for n in rows:
-        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths, config)
+        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths, config, args.gpu_ms)
     report["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(format_table(report))
     if args.json:

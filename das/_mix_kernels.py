@@ -113,6 +113,7 @@ from das._trie_kernels import (
     _child_key,
     _edge_token,
     _find_child,
+    _find_locus,
     _hash_slot,
     address_of,
     fetch_add,
@@ -208,6 +209,36 @@ def _seq_loci(a, s, lu, ld, lL, tr):
             ld[tr, c] = L  # an active locus ends exactly at a node of depth L
             lL[tr, c] = L
             c += 1
+    return _bucket_reps(lu, ld, lL, tr, c)
+
+
+@njit(cache=True)
+def _context_loci(ga, ca, cs, lu, ld, lL, tr):
+    """Loci in the tree at address ``ga`` of the context suffixes of slot ``cs``'s sequence in the
+    tree at address ``ca`` (up to ``ga``'s ``max_depth - 1`` tokens), looked up from the root,
+    longest first, into row ``tr``; returns how many (after :func:`_bucket_reps`). For a tree
+    that does not hold the context's latest tokens (the deferred global tree,
+    :class:`das.drafter.DASDrafter` ``defer_global``): a locus may end inside an edge."""
+    gmeta, gnodes, gweights, ghash, gseqs, gpool = views_at(ga)
+    meta, nodes, weights, hash_table, seqs, pool = views_at(ca)
+    n = seqs[cs, S_LEN]
+    end = seqs[cs, S_BASE] + n
+    w = min(n, gmeta[M_MAX_DEPTH] - 1)
+    found = 0  # a suffix absent from the tree has no longer one there either
+    for L in range(1, w + 1):
+        u, d = _find_locus(gnodes, ghash, gmeta, gseqs, gpool, pool, end - L, end)
+        if u < 0:
+            break
+        lu[tr, w - L] = u
+        ld[tr, w - L] = d
+        lL[tr, w - L] = L
+        found = L
+    c = 0
+    for i in range(w - found, w):  # longest first, from index 0
+        lu[tr, c] = lu[tr, i]
+        ld[tr, c] = ld[tr, i]
+        lL[tr, c] = lL[tr, i]
+        c += 1
     return _bucket_reps(lu, ld, lL, tr, c)
 
 
@@ -553,7 +584,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
 
 @njit(cache=True)
 def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop):
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook):
     """Context-mixing drafts for every row (see the module docstring): request ``handles[r]``
     drafts up to ``budgets[r]`` tokens from its problem tree (prior ``tprior[tree]``), its request
     tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
@@ -565,14 +596,17 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     rows; table 3: the calibration maps), read only. ``dstop[h]``: the token the draft stopped
     before by its probability (its inputs, weight set and profile at ``dx[h, k]``, ``dset[h, k]``,
     ``dsup[h, k]``), else -1. ``D``: the largest ``max_depth`` of the trees (it sizes the
-    scratch arrays; each scope reads contexts up to its own tree's depth). One thread."""
+    scratch arrays; each scope reads contexts up to its own tree's depth). ``glook``: the global
+    scope's loci are looked up from the root (:func:`_context_loci`) instead of read from the
+    request's live sequence there (which lags the context when the drafter defers its appends
+    to the global tree). One thread."""
     _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, np.zeros(1, np.int64))
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, np.zeros(1, np.int64))
 
 
 @njit(cache=True, parallel=True)
 def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
-                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, parts):
+                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
     batches its rows. Each part claims the next undrafted row from a shared counter
     (:func:`das._trie_kernels.fetch_add`) until none is left, so a part that drew short drafts
@@ -582,12 +616,12 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
     claim = np.zeros(1, np.int64)
     for _p in prange(parts):
         _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, claim)
+                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim)
 
 
 @njit(cache=True)
 def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, claim):
+              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim):
     """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
     (``int64[1]``, from 0, shared by the parts; alone, a part takes every row in order) until
     every row is taken. With its own scratch arrays."""
@@ -648,7 +682,11 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
                 nl[1] = _seq_loci(addr[1], ri[h, R_REQUEST_SLOT], lu, ld, lL, 1)
             if gti >= 0 and ri[h, R_GLOBAL_SLOT] >= 0:  # its live sequence in the global tree: its loci
                 priors[2] = gprior
-                nl[2] = _seq_loci(addr[2], ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
+                sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]
+                if glook:
+                    nl[2] = _context_loci(addr[2], addr[0], sl, lu, ld, lL, 2)
+                else:
+                    nl[2] = _seq_loci(addr[2], ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
             sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]
             prev = _last_token(addr[0], sl)
             dprev[h] = prev

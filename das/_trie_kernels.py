@@ -1141,7 +1141,7 @@ def add_batch(trees, ri, rw, handles, tokens, starts, ends, row0):
     return -1, 0, 0
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # nogil: the drafter may run it on a thread of its own (``defer_global``)
 def add_batch_global(mem, ri, handles, tokens, starts, ends, row0):
     """Append ``tokens[r, starts[r]:ends[r]]`` to request ``handles[r]``'s live sequence in the
     global tree ``mem`` (slot ``ri[h, R_GLOBAL_SLOT]``, weight 1; -1: none), for rows ``r >=

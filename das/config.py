@@ -9,7 +9,7 @@ expected, e.g. ``additional_config['das']['window'] must be an int >= 1, got 0``
 
 Keys (see each field's description): drafter ``window``, ``decay``, ``keep_visits``, ``age_in_visits``, ``max_depth``,
 ``max_spec_factor``, ``min_token_prob``, ``max_problems``, ``use_request_tree``, ``prior``, ``chooser``,
-``global_rollouts``, ``global_depth``, ``mix_lr``, ``draft_threads``;
+``global_rollouts``, ``global_depth``, ``mix_lr``, ``draft_threads``, ``defer_global``;
 budget ``budget`` (a proposer budget of :mod:`scheduler.budgets`), ``c_base`` and ``c_tok``
 (seconds, both or neither).
 """
@@ -61,6 +61,10 @@ class DASConfig(BaseModel):
     mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
     draft_threads: int = Field(0, ge=0, description="threads that append and draft a step's rows at once (steps of 16 rows or "
                                "more, as vLLM's n-gram proposer); 0: this machine's physical cores, at most 8")
+    defer_global: bool | None = Field(None, description="leave a step's appends to the global tree to a background thread that "
+                                      "runs while the accelerator verifies (the step's drafts read that tree one step behind); "
+                                      "None: on where the engine runs on a GPU, off on a CPU engine (the thread would take a core "
+                                      "from the forward pass)")
     budget: str = Field("cost", description="speculation budget, one of scheduler.budgets (proposer): "
                                             + _budgets.describe("proposer"))
     c_base: float | None = Field(None, gt=0, description="fixed step cost in seconds (with c_tok): used instead of the online fit")
@@ -87,7 +91,7 @@ class DASConfig(BaseModel):
 
 
 DRAFTER_KEYS = ("window", "decay", "keep_visits", "age_in_visits", "max_depth", "max_spec_factor", "min_token_prob", "max_problems",
-                "use_request_tree", "prior", "chooser", "global_rollouts", "global_depth", "mix_lr", "draft_threads")
+                "use_request_tree", "prior", "chooser", "global_rollouts", "global_depth", "mix_lr", "draft_threads", "defer_global")
 CHOOSERS = ("mix", "walk")
 BUDGET_KEYS = ("budget", "c_base", "c_tok")
 SHOWN_KEYS = ("window", "decay", "budget")  # the keys the shipped recipes and overlays spell out

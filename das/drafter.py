@@ -46,6 +46,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import time
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from functools import partial
@@ -292,6 +293,16 @@ class DASDrafter:
             Xeon 1.5-1.6 ms with the default 8 threads and 1.0-1.4 ms with 16, where cores are spare;
             see benchmarks/README.md, "Step cost"). The cap of 8 is the one vLLM's n-gram proposer
             gives: the engine's frontend (tokenizing) and structured outputs need threads too.
+        defer_global: bool or None, :meth:`add_tokens_batch` leaves its appends to the global
+            tree (one thread's work: 0.5 ms of a 1.0 ms step at 256 rows on a 16-core GPU
+            host's Xeon) for a background thread, which :meth:`speculate_batch` starts once it
+            has drafted, so that they run while the accelerator verifies the drafts; any other
+            call waits for them first. The step's drafts read a global tree one step behind
+            (the request's latest tokens are in its problem and request trees; the global scope's
+            loci are looked up from the root, :func:`das._mix_kernels._context_loci`). For an
+            engine whose forward pass runs on an accelerator: where it runs on the same CPU, the
+            background thread takes a core from it. ``"mix"`` chooser with a global tree only.
+            Default None: off here; the vLLM proposer turns None on when torch sees a GPU.
 
     Raises:
         ValueError: an argument of the wrong type or out of range (the message names it).
@@ -314,6 +325,7 @@ class DASDrafter:
         global_depth: int = DEFAULTS.global_depth,
         mix_lr: float = DEFAULTS.mix_lr,
         draft_threads: int = DEFAULTS.draft_threads,
+        defer_global: bool | None = DEFAULTS.defer_global,
     ):
         self.window = _int_arg(window, "window", 1)
         self.decay = _float_arg(decay, "decay", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
@@ -341,6 +353,14 @@ class DASDrafter:
         self.mix_lr = _float_arg(mix_lr, "mix_lr", "a finite number > 0", lambda x: 0.0 < x < math.inf)
         self.draft_threads = _int_arg(draft_threads, "draft_threads", 0)
         self._threads = self.draft_threads or min(8, physical_cores())
+        if defer_global is not None and not isinstance(defer_global, (bool, np.bool_)):
+            raise ValueError(f"defer_global must be a bool or None, got {defer_global!r}")
+        self.defer_global = bool(defer_global) and self.chooser == "mix" and bool(self.global_rollouts)
+        self._gtodo = None  # the last add_tokens_batch's global-tree part, deferred: (handles, tokens, ends)
+        self._gjob = None  # that part running on the background thread (a Future)
+        self._gexec = None  # the background thread (a one-thread pool, made on first use)
+        self.deferred_appends = 0  # add_tokens_batch calls whose global-tree part ran in the background
+        self.deferred_ns = 0  # nanoseconds those background appends took
         self.parallel_calls = 0  # batch calls (appending or drafting) run on several threads
         self._log_inv_decay = -math.log(self.decay)  # >= 0
         self._version = 0
@@ -405,6 +425,7 @@ class DASDrafter:
         Raises:
             ValueError: not an int, or smaller than the current version.
         """
+        self._sync_global()
         v = _int_arg(policy_version, "policy_version")
         if v < self._version:
             raise ValueError(f"policy_version must not go backwards: got {v}, current is {self._version}")
@@ -530,6 +551,7 @@ class DASDrafter:
     def evict_problem(self, problem_id: Hashable) -> bool:
         """Drop a problem's tree and history. Live requests of it keep drafting from their
         request trees only. Returns whether the problem was known."""
+        self._sync_global()
         if problem_id not in self._problems:
             return False
         self._drop_problem(problem_id)
@@ -585,6 +607,7 @@ class DASDrafter:
         Raises:
             ValueError: ``req_id`` already live, or bad prompt tokens.
         """
+        self._sync_global()
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already live")
         prompt = as_tokens(prompt_ids, "prompt_ids")
@@ -650,6 +673,7 @@ class DASDrafter:
             KeyError: unknown request.
             ValueError: bad tokens (nothing is appended).
         """
+        self._sync_global()
         req = self._requests.get(req_id)
         if req is None:
             raise KeyError(f"unknown request {req_id!r}")
@@ -705,6 +729,7 @@ class DASDrafter:
             KeyError: unknown request.
             ValueError: ``max_tokens`` not an int >= 0.
         """
+        self._sync_global()
         req = self._requests.get(req_id)
         if req is None:
             raise KeyError(f"unknown request {req_id!r}")
@@ -782,6 +807,7 @@ class DASDrafter:
             ValueError: bad shapes or dtypes, a bad range or an out-of-range token; the message
                 names the row and the value. Everything is checked before anything is appended.
         """
+        self._sync_global()
         handles = self._handles_of(req_ids)
         rows = handles.shape[0]
         tokens = _token_matrix(token_ids, rows)
@@ -793,14 +819,55 @@ class DASDrafter:
         if code:
             raise ValueError(_batch_error(code, r, c, tokens, starts, ends))
         parts = self._threads_for(rows)
+        glob = self._global is not None and not self.defer_global
         if parts > 1:
-            self._insert_parallel(handles, tokens, starts, ends, parts)
+            self._insert_parallel(handles, tokens, starts, ends, parts, glob)
         else:
             self._learn(handles, tokens, starts, ends)
             self._add_rows(handles, tokens, starts, ends)
-            if self._global is not None:
+            if glob:
                 self._add_rows_global(handles, tokens, starts, ends)
+        if self.defer_global:
+            self._defer_global_rows(handles, tokens, starts, ends)
         return ends - starts
+
+    def _sync_global(self) -> None:
+        """Bring the global tree up to date before anything else reads or changes it: wait for
+        the background append (re-raising its error), then append a deferred part no
+        :meth:`speculate_batch` started."""
+        if self._gjob is not None:
+            job, self._gjob = self._gjob, None
+            job.result()
+        if self._gtodo is not None:
+            todo, self._gtodo = self._gtodo, None
+            self._append_deferred(*todo)
+
+    def _append_deferred(self, handles: np.ndarray, tokens: np.ndarray, ends: np.ndarray) -> None:
+        """The deferred global-tree part of an :meth:`add_tokens_batch` (its own copy of the rows' new tokens)."""
+        t0 = time.perf_counter_ns()
+        self._add_rows_global(handles, tokens, np.zeros_like(ends), ends)
+        self.deferred_ns += time.perf_counter_ns() - t0
+
+    def _start_deferred(self) -> None:
+        """Run the deferred global-tree part on the background thread (while the engine verifies)."""
+        if self._gtodo is None:
+            return
+        if self._gexec is None:
+            from concurrent.futures import ThreadPoolExecutor
+
+            self._gexec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="das-global")
+        todo, self._gtodo = self._gtodo, None
+        self._gjob = self._gexec.submit(self._append_deferred, *todo)
+        self.deferred_appends += 1
+
+    def _defer_global_rows(self, handles, tokens, starts, ends) -> None:
+        """Keep the rows' new tokens (a compact copy: the engine reuses its token matrix) for the global tree."""
+        n = ends - starts
+        width = int(n.max()) if n.shape[0] else 0
+        cols = np.arange(width)
+        idx = np.minimum(starts[:, None] + cols, tokens.shape[1] - 1) if tokens.shape[1] else np.zeros((n.shape[0], 0), np.int64)
+        mine = np.take_along_axis(tokens[: n.shape[0]], idx, axis=1) if width else np.zeros((n.shape[0], 0), tokens.dtype)
+        self._gtodo = (handles.copy(), np.ascontiguousarray(mine), n.copy())
 
     def _add_rows_global(self, handles, tokens, starts, ends, row: int = 0) -> None:
         """Append the rows from ``row`` on to their requests' live sequences in the global tree (one thread)."""
@@ -826,7 +893,7 @@ class DASDrafter:
             self._finish_row(self._hreq[handles[r]], tokens[r, starts[r] : ends[r]], part, done)
             row = r + 1
 
-    def _insert_parallel(self, handles, tokens, starts, ends, parts: int) -> None:
+    def _insert_parallel(self, handles, tokens, starts, ends, parts: int, glob: bool) -> None:
         """The learning, :meth:`_add_rows` and :meth:`_add_rows_global` on ``parts`` threads, at
         once (:func:`das._step_kernels.insert_batch_parallel`; they touch disjoint memory, so the
         result is the serial one). Rows are split by problem tree (a row without one by its
@@ -835,11 +902,11 @@ class DASDrafter:
         parts on whole trees go to the least loaded part (:func:`das._step_kernels.balance_parts`),
         those two counted in (below it, trees are dealt by id modulo the parts). A part whose
         tree ran short stops there; that row is finished here and the part's later rows are
-        appended on one thread (the global tree's likewise)."""
+        appended on one thread (the global tree's likewise). ``glob``: append to the global tree
+        here (False: none, or deferred)."""
         pt = self._ri[handles, kernels.R_PROBLEM_TREE]
         keys = np.where(pt >= 0, pt, self._ri[handles, kernels.R_REQUEST_TREE])
         work = ends - starts
-        glob = self._global is not None
         gpart, lpart = (parts - 1 if glob else -1), (0 if self.chooser == "mix" else -1)
         if parts >= BALANCED_PARTS:
             base = np.zeros(parts)
@@ -908,6 +975,9 @@ class DASDrafter:
             ValueError: ``budgets`` of the wrong shape or dtype, or a negative budget (the
                 message names the row and the value); ``min_prob`` outside ``[0, 1]``.
         """
+        if self._gjob is not None:  # a background append still running (two drafts in a row)
+            job, self._gjob = self._gjob, None
+            job.result()
         handles = self._handles_of(req_ids)
         rows = handles.shape[0]
         budgets = _row_vector(budgets, "budgets", rows)
@@ -932,6 +1002,7 @@ class DASDrafter:
                 self._on_threads(parts, kernels.draft_batch_parallel, *args, parts)
             else:
                 kernels.draft_batch(*args)
+        self._start_deferred()
         return DraftBatch(tokens, probs, lengths)
 
     def _mix_drafts(self, handles, budgets, kmax: int, min_prob: float, tokens, probs, lengths, parts: int,
@@ -943,7 +1014,7 @@ class DASDrafter:
             self._grow_pending(kmax)
         args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handles, budgets, min_prob,
                 self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes,
-                self._dprev, self._dsup, self._dstop)  # self._gti: -1 without a global tree
+                self._dprev, self._dsup, self._dstop, self.defer_global)  # self._gti: -1 without a global tree
         if parts > 1:
             self._on_threads(parts, mix_kernels.mix_batch_parallel, *args, parts)
         else:
@@ -1045,6 +1116,7 @@ class DASDrafter:
     def _check_batch_state(self) -> None:
         """Slow check (for tests) that what the batch kernels read agrees with the Python objects;
         raises AssertionError otherwise."""
+        self._sync_global()
         tab = self._tab
         assert set(self._handles) == set(self._requests)
         live_ti = {}
@@ -1078,6 +1150,7 @@ class DASDrafter:
     def stop_request(self, req_id: Hashable) -> None:
         """Finish a request: free its request tree; its rollout stays in the problem tree (this
         iteration's history). Unknown ids are ignored (idempotent)."""
+        self._sync_global()
         req = self._requests.pop(req_id, None)
         if req is None:
             return
@@ -1131,6 +1204,7 @@ class DASDrafter:
         Raises:
             ValueError: bad tokens or version.
         """
+        self._sync_global()
         prompt = as_tokens(prompt_ids, "prompt_ids")
         out = as_tokens(output_ids, "output_ids")
         _check_range(prompt, "prompt_ids")
@@ -1175,6 +1249,7 @@ class DASDrafter:
         ``mix_outcomes`` (draft-token and stop-token outcomes the ``"mix"`` chooser's mixer learned from),
         ``parallel_calls`` (:meth:`add_tokens_batch` and :meth:`speculate_batch` calls run on
         several threads)."""
+        self._sync_global()
         seqs = toks = nodes = nbytes = 0
         for prob in self._problems.values():
             t = prob.tree

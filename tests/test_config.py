@@ -32,11 +32,13 @@ def test_drafter_docstring_states_the_schema_defaults():
     """DASDrafter's docstring gives each default with its reason: it must agree with the schema."""
     doc = DASDrafter.__doc__
     for key in DRAFTER_KEYS:
-        m = re.search(rf"^\s+{key}: .*?Default (True|False|[0-9.]*[0-9]|\"\w+\")", doc, re.M | re.S)
+        m = re.search(rf"^\s+{key}: .*?Default (True|False|None|[0-9.]*[0-9]|\"\w+\")", doc, re.M | re.S)
         assert m is not None, key
         want = getattr(DEFAULTS, key)
         if isinstance(want, str):
             assert m.group(1) == f'"{want}"', (key, m.group(1))
+        elif want is None:
+            assert m.group(1) == "None", (key, m.group(1))
         else:
             assert (m.group(1) == str(want)) if isinstance(want, bool) else type(want)(m.group(1)) == want, (key, m.group(1))
 
@@ -82,6 +84,9 @@ def test_readme_table_mirrors_the_schema():
     for key in DRAFTER_KEYS + ("budget",):
         shown = rows[key]
         want = getattr(DEFAULTS, key)
+        if want is None:
+            assert shown == "null", (key, shown)
+            continue
         assert (shown == str(want).lower() if isinstance(want, bool) else type(want)(shown) == want), (key, shown, want)
     assert set(DASConfig.model_fields) - set(rows) == {"c_base", "c_tok"}  # one row for both
     assert expected("window") == "an int >= 1"

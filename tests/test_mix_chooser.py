@@ -430,3 +430,109 @@ def test_the_token_after_a_rejection_teaches_nothing_about_the_stop_token():
     _draft_of(empty, "p", 0)
     empty.add_tokens("p", [8])
     assert empty.outcomes_learned == 1 and empty._outcomes[0, 8].tolist() == [1.0, 1.0]
+
+
+def _history_drafters(rng, **kw):
+    """Two drafters with the same history of 4 problems (patterns with noise) and 12 live requests."""
+    patterns = [rng.integers(0, 12, 30) for _ in range(4)]
+    ds = (DASDrafter(defer_global=False, **kw), DASDrafter(defer_global=True, **kw))
+    for v in range(2):
+        for d in ds:
+            d.begin_iteration(v)
+        for p, pat in enumerate(patterns):
+            for _ in range(3):
+                out = np.where(rng.random(pat.shape[0]) < 0.2, rng.integers(0, 12, pat.shape[0]), pat)
+                for d in ds:
+                    d.add_rollout([p, 99], out, problem_id=p)
+    rows = [f"r{i}" for i in range(12)]
+    toks = {rid: [i % 4, 99] for i, rid in enumerate(rows)}
+    for rid in rows:
+        for d in ds:
+            d.start_request(rid, toks[rid], problem_id=int(rid[1:]) % 4)
+    return ds, patterns, rows, toks
+
+
+def _grow(rng, patterns, rows, toks):
+    """Each row's next 1-3 tokens (its problem's pattern, the engine's token matrix and ends)."""
+    mat = np.zeros((len(rows), 128), np.int32)
+    ends = np.zeros(len(rows), np.int64)
+    for r, rid in enumerate(rows):
+        pat = patterns[r % 4]
+        n = len(toks[rid]) - 2
+        toks[rid] += [int(pat[(n + j) % pat.shape[0]]) for j in range(int(rng.integers(1, 4)))]
+        mat[r, : len(toks[rid])] = toks[rid]
+        ends[r] = len(toks[rid])
+    return mat, ends
+
+
+def test_global_loci_looked_up_from_the_root_are_the_live_sequence_loci():
+    """With ``defer_global`` the global scope's loci come from lookups of the context's suffixes
+    (:func:`das._mix_kernels._context_loci`) instead of the request's live sequence there. On an
+    up-to-date global tree (per-row calls append at once) they are the same loci: the same
+    drafts, probabilities and learning, step after step."""
+    rng = np.random.default_rng(5)
+    (eager, deferred), patterns, rows, toks = _history_drafters(rng, window=4, max_depth=8, min_token_prob=0.05, global_rollouts=16)
+    drafted = 0
+    for _ in range(10):
+        n0 = {rid: len(toks[rid]) for rid in rows}
+        _grow(rng, patterns, rows, toks)
+        for rid in rows:
+            got = []
+            for d in (eager, deferred):
+                d.add_tokens(rid, toks[rid][n0[rid]:])
+                got.append(d.speculate(rid, 6))
+            assert got[0].tokens.tolist() == got[1].tokens.tolist()
+            assert got[0].probs.tolist() == got[1].probs.tolist()
+            drafted += got[0].tokens.shape[0]
+    assert drafted > 0 and deferred.deferred_appends == 0
+    assert eager.mixer_weights.tolist() == deferred.mixer_weights.tolist()
+
+
+def test_deferred_global_appends_run_after_the_drafts_and_leave_the_same_tree():
+    """``defer_global``: :meth:`add_tokens_batch` leaves the global tree as it was, the step's
+    :meth:`speculate_batch` drafts and then starts the appends on the background thread, and the
+    next call waits for them: the global tree then holds every live rollout exactly as the
+    eager drafter's does (the drafts differ a little: they read it one step behind)."""
+    rng = np.random.default_rng(7)
+    (eager, deferred), patterns, rows, toks = _history_drafters(rng, window=4, max_depth=8, min_token_prob=0.05, global_rollouts=16)
+    budgets = np.full(len(rows), 6, np.int64)
+    for _ in range(8):
+        before = {rid: list(toks[rid]) for rid in rows}
+        mat, ends = _grow(rng, patterns, rows, toks)
+        for d in (eager, deferred):
+            d.add_tokens_batch(rows, mat, None, ends)
+        for rid in rows:  # the last step's tokens are in (it waited for them), this step's not yet
+            assert deferred._global.sequence(deferred._requests[rid].gseq).tolist() == before[rid]
+        got = [d.speculate_batch(rows, budgets) for d in (eager, deferred)]
+        assert int(got[1].lengths.sum()) > 0
+    deferred._check_batch_state()  # waits for the last background append
+    assert deferred.deferred_appends == 8 and deferred.deferred_ns > 0
+    for rid in rows:
+        e, f = (d._global.sequence(d._requests[rid].gseq).tolist() for d in (eager, deferred))
+        assert e == f == toks[rid]
+    assert deferred._global.num_tokens == eager._global.num_tokens
+
+
+def test_a_failing_background_append_surfaces_at_the_next_call(monkeypatch):
+    """An error on the background thread is raised by the drafter's next call, not lost."""
+    rng = np.random.default_rng(9)
+    (_, d), patterns, rows, toks = _history_drafters(rng, global_rollouts=16)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("global tree append failed")
+
+    monkeypatch.setattr(d, "_add_rows_global", broken)
+    mat, ends = _grow(rng, patterns, rows, toks)
+    d.add_tokens_batch(rows, mat, None, ends)
+    d.speculate_batch(rows, np.full(len(rows), 4, np.int64))  # starts the broken append
+    with pytest.raises(RuntimeError, match="global tree append failed"):
+        d.stop_request(rows[0])
+
+
+def test_defer_global_is_a_bool_or_none_and_needs_a_global_tree():
+    assert DASDrafter().defer_global is False
+    assert DASDrafter(defer_global=True).defer_global is True
+    assert DASDrafter(defer_global=True, global_rollouts=0).defer_global is False
+    assert DASDrafter(defer_global=True, chooser="walk").defer_global is False
+    with pytest.raises(ValueError, match="defer_global must be a bool or None, got 'yes'"):
+        DASDrafter(defer_global="yes")

@@ -93,6 +93,24 @@ def test_siblings_draft_from_each_other_while_rows_move():
     assert len(drafts[0]) <= K
 
 
+def test_defer_global_follows_the_engine_device(monkeypatch):
+    """``defer_global`` unset: on where torch sees a GPU (the global tree's appends overlap its
+    forward pass), off on a CPU engine; a set value wins. Deferred, siblings still draft from
+    each other (their problem tree is appended at once)."""
+    from integrations.vllm_ext import cpu_runtime
+
+    eng = Engine()
+    monkeypatch.setattr(cpu_runtime, "is_cpu_build", lambda: True)
+    assert DASProposer(make_config(), runner=eng.runner).drafter.defer_global is False
+    monkeypatch.setattr(cpu_runtime, "is_cpu_build", lambda: False)
+    assert DASProposer(make_config({"budget": "fixed", "defer_global": False}), runner=eng.runner).drafter.defer_global is False
+    prop = DASProposer(make_config(), runner=eng.runner)
+    assert prop.drafter.defer_global is True
+    answer = [10, 11, 12, 13, 14, 15, 16, 17]
+    assert sibling_draft(eng, prop, answer)[0] == answer[4:8]
+    assert prop.drafter.deferred_appends == 2
+
+
 def test_row_in_prefill_gets_no_draft_and_budget_from_extra_args():
     eng = Engine()
     prop = DASProposer(make_config(), runner=eng.runner)

@@ -219,6 +219,10 @@ class DASProposer:
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
         drafter_cfg, budget_cfg = das_section(getattr(vllm_config, "additional_config", None))
+        if drafter_cfg.get("defer_global") is None:  # the global tree's appends overlap a GPU's forward pass
+            from integrations.vllm_ext.cpu_runtime import is_cpu_build
+
+            drafter_cfg["defer_global"] = not is_cpu_build()
         self.drafter = DASDrafter(**drafter_cfg)
         self.budget = budget_cfg["budget"]
         prior = (float(budget_cfg["c_base"]), float(budget_cfg["c_tok"])) if "c_base" in budget_cfg else None
