@@ -665,6 +665,10 @@ def _append_tokens(nodes, weights, hash_table, meta, seqs, pool, s, tokens, w):
     need_h = (D + 1) * (HASH_MIN_CHILDREN + 1)
     base = seqs[s, S_BASE]
     scap = seqs[s, S_CAP]
+    # every active locus moves with the first token: start their cache misses at once (an engine
+    # step finds them cold, after a forward pass; one after the other they were most of an append)
+    for d in range(min(seqs[s, S_LEN], D - 1) + 1):
+        prefetch(nodes, seqs[s, S_LOCI + d] * NCOL)
     done = 0
     for i in range(n):
         if cap - meta[M_HIGH_WATER] + meta[M_NUM_FREE] < need_n or meta[M_HASH_ENTRIES] + need_h > half or seqs[s, S_LEN] >= scap:
