@@ -90,3 +90,17 @@ def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys):
     assert json.loads(out.read_text())["steps_drafting_differently"] == 0
     assert "new / base" in capsys.readouterr().out
     assert kernel_pair.main(["--base", str(tmp_path / "trace.parquet"), "--trace", str(_trace(tmp_path))]) == 2
+
+
+def test_deferred_global_appends_run_between_steps_and_are_reported(tmp_path):
+    """``--gpu-ms`` waits between steps (untimed) and ``defer_global`` runs the global tree's
+    appends then: the report carries their time per step; the drafts read a global tree one
+    step behind, so only the batch path runs (the per-row path appends at once)."""
+    out = tmp_path / "cost.json"
+    args = ["--trace", str(_trace(tmp_path)), "--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch",
+            "--gpu-ms", "1", "--das", '{"defer_global": true}', "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["gpu_ms"] == 1.0 and report["das"] == {"defer_global": True}
+    assert report["rows"]["4"]["deferred_ms_mean"] > 0
+    assert main(args[:-2] + ["--gpu-ms", "-1"]) == 2
