@@ -680,14 +680,13 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
             if rt >= 0:
                 priors[1] = req_prior
                 nl[1] = _seq_loci(addr[1], ri[h, R_REQUEST_SLOT], lu, ld, lL, 1)
+            sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]  # the context, in the tree at addr[0]
             if gti >= 0 and ri[h, R_GLOBAL_SLOT] >= 0:  # its live sequence in the global tree: its loci
                 priors[2] = gprior
-                sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]
                 if glook:
                     nl[2] = _context_loci(addr[2], addr[0], sl, lu, ld, lL, 2)
                 else:
                     nl[2] = _seq_loci(addr[2], ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
-            sl = ri[h, R_PROBLEM_SLOT] if pt >= 0 else ri[h, R_REQUEST_SLOT]
             prev = _last_token(addr[0], sl)
             dprev[h] = prev
             k = _mix(addr, tix, priors, lu, ld, lL, nl, m, wt, min_prob, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,

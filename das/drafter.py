@@ -295,9 +295,9 @@ class DASDrafter:
             gives: the engine's frontend (tokenizing) and structured outputs need threads too.
         defer_global: bool or None, :meth:`add_tokens_batch` leaves its appends to the global
             tree (one thread's work, most of the 0.53 ms of appending in a 1.0 ms step at 256
-            rows on a 16-core GPU host's Xeon on 16 threads) for a background thread, which :meth:`speculate_batch` starts once it
-            has drafted, so that they run while the accelerator verifies the drafts; any other
-            call waits for them first. The step's drafts read a global tree one step behind
+            rows on a 16-core GPU host's Xeon on 16 threads) for a background thread, which
+            :meth:`speculate_batch` starts once it has drafted, so that they run while the
+            accelerator verifies the drafts; any other call waits for them first. The step's drafts read a global tree one step behind
             (the request's latest tokens are in its problem and request trees; the global scope's
             loci are looked up from the root, :func:`das._mix_kernels._context_loci`). For an
             engine whose forward pass runs on an accelerator: where it runs on the same CPU, the
