@@ -15,8 +15,8 @@ appends the tokens its last verification accepted, then drafts up to K tokens. M
   :class:`integrations.vllm_ext.proposer.DASProposer` with the ``fixed`` budget, fed each step
   as vLLM's model runner feeds it (``propose(sampled_token_ids, num_tokens_no_spec,
   token_ids_cpu)`` with a stand-in runner's ``input_batch`` and ``requests``): the batch verbs
-  plus the proposer's own Python per row (bookkeeping, draft selection, the output lists), and the
-  requests it starts and stops inside the call. Nearly the drafts of ``batch``: a finished
+  plus the proposer's own work (bookkeeping and draft selection over the rows' arrays, the
+  output lists), and the requests it starts and stops inside the call. Nearly the drafts of ``batch``: a finished
   request leaves the drafter at the proposer's next call, one step later, as in the engine.
 
 The workload: the trace's last iteration is the one being generated, the earlier iterations are

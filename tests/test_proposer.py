@@ -348,7 +348,7 @@ def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimate
         step(0.4, 8, 1)  # 9 tokens in 0.4 s against 8 in 0.1 s: drafting loses on the clock
     assert prop._payoff_scale < start and prop._payoff_scale >= 0.25
     low = prop._payoff_scale
-    assert np.allclose(prop._row_calibration([None]), prop._calibration() * low)
+    assert np.allclose(prop._row_calibration(np.array([-1]), np.array([False])), prop._calibration() * low)
     for _ in range(20):
         step(0.11, 8, 8)  # 16 tokens in 0.11 s: drafting pays
     assert low < prop._payoff_scale <= 1.0

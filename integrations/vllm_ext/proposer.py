@@ -67,6 +67,7 @@ import os
 import sys
 import time
 import weakref
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -133,21 +134,60 @@ class ProposerStats:
 
 @dataclasses.dataclass(slots=True)
 class _Req:
-    """What the proposer tracks per live request (tokens, acceptance evidence, last draft)."""
+    """What the proposer keeps per live request that a step does not touch; the rest is in
+    :class:`_ReqState` at ``slot``."""
 
     problem_id: Any
     prompt_len: int
-    seen: int  # tokens (prompt + output) given to the drafter
     max_tokens: int
-    cap: int  # the request's own draft cap per step (das_max_draft_tokens, default K)
-    drafted: int = 0  # draft tokens offered so far
-    accepted: int = 0  # draft tokens accepted so far
-    steps: int = 0  # verification steps so far
-    last_len: int = 0  # draft tokens offered last step
-    last_psum: float = 0.0  # sum of their calibrated path probabilities
-    last_probs: np.ndarray | None = None  # their raw path probabilities (float32), for the reliability bins
-    predicted: float = 0.0  # sum of path probabilities of all drafts offered (expected accepted)
+    slot: int
     tracked: bool = True  # False: bad options, the request is not in the drafter and never drafts
+
+
+class _ReqState:
+    """Per-request numbers a step reads and writes, one array each, indexed by the request's slot,
+    so that a step's bookkeeping is a few vector operations over its rows, not a Python loop
+    (``benchmarks/README.md``, "Step cost": the loop took 0.76 ms a step at 256 rows).
+
+    ``seen``: tokens (prompt + output) given to the drafter (``prompt_len`` of them the prompt's,
+    at most ``max_tokens`` output tokens); ``cap``: the request's own draft cap
+    per step (``das_max_draft_tokens``, default K); ``drafted`` / ``accepted``: draft tokens offered
+    / accepted so far; ``steps``: verification steps so far; ``last_len``: draft tokens offered
+    last step, ``last_psum`` the sum of their calibrated path probabilities and ``last_probs[:, :k]``
+    their raw path probabilities (float32, for the reliability bins); ``predicted``: the sum of the
+    path probabilities of all drafts offered (expected accepted); ``tracked``: False for a request
+    with bad options."""
+
+    INT = ("seen", "cap", "drafted", "accepted", "steps", "last_len", "prompt_len", "max_tokens")
+    FLOAT = ("last_psum", "predicted")
+
+    def __init__(self, k: int, slots: int = 64):
+        for name in self.INT:
+            setattr(self, name, np.zeros(slots, np.int64))
+        for name in self.FLOAT:
+            setattr(self, name, np.zeros(slots, np.float64))
+        self.tracked = np.zeros(slots, bool)
+        self.last_probs = np.zeros((slots, max(k, 1)), np.float32)
+        self.free = list(range(slots - 1, -1, -1))
+
+    def take(self, prompt_len: int, max_tokens: int, cap: int, tracked: bool) -> int:
+        """A slot for a new request, its numbers zeroed (twice the arrays when none is free)."""
+        if not self.free:
+            n = self.seen.shape[0]
+            for name in (*self.INT, *self.FLOAT, "tracked", "last_probs"):
+                a = getattr(self, name)
+                setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        i = self.free.pop()
+        for name in self.INT:
+            getattr(self, name)[i] = 0
+        for name in self.FLOAT:
+            getattr(self, name)[i] = 0.0
+        self.seen[i] = self.prompt_len[i] = prompt_len
+        self.max_tokens[i] = max_tokens
+        self.cap[i] = cap
+        self.tracked[i] = tracked
+        return i
 
 
 def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -247,6 +287,8 @@ class DASProposer:
             )
         self.stats = ProposerStats()
         self._reqs: dict[str, _Req] = {}  # live request id -> its bookkeeping
+        self._slot_of: dict[str, int] = {}  # live request id -> its slot in self._state
+        self._state = _ReqState(self.k)
         self._last_start: float | None = None
         # Seconds per clean step and per forward token (EMAs), to drop idle gaps from the fit. A step is
         # a gap only if it is long against both: against the step EMA alone, the first full batch
@@ -317,83 +359,70 @@ class DASProposer:
         return drafts
 
     def _propose(self, sampled_token_ids, num_tokens_no_spec, token_ids_cpu) -> list[list[int]]:
-        # One pass of light Python per row (its request's bookkeeping); the drafter's work, the
-        # step's draft selection and the outputs are done on arrays for all rows at once.
+        # Vector operations over the rows (each request's numbers are in self._state at its slot);
+        # Python per row only for a request seen for the first time and for the output lists.
         now = time.perf_counter()
         batch = self.runner.input_batch
         requests = self.runner.requests
         drafter = self.drafter
+        st = self._state
         rows = len(sampled_token_ids)
         req_ids = batch.req_ids
-        counts_arr = np.asarray(num_tokens_no_spec[:rows], np.int64)
-        counts = counts_arr.tolist()  # Python ints for the loop over rows
-        live_reqs = self._reqs
-        reqs: list[_Req | None] = [None] * rows  # rows that may draft this step
-        live = np.zeros(rows, bool)
+        counts = np.asarray(num_tokens_no_spec[:rows], np.int64)
+        slots = np.fromiter(map(self._slot_of.get, req_ids[:rows], repeat(-1, rows)), np.int64, rows)
         clean = rows > 0  # every row decoded last step too: the step time is a fit sample
-        step_tokens = context_tokens = 0  # tokens in the forward pass that just ran, KV tokens it read
+        for row in np.flatnonzero(slots < 0).tolist():
+            slots[row] = self._start(req_ids[row], row, requests, token_ids_cpu).slot
+            clean = False
+        tracked = st.tracked[slots]  # False: bad options, never drafts, leaves nothing in the drafter
+        st.seen[slots[~tracked]] = counts[~tracked]
+        seen = st.seen[slots]
+        gained = counts - seen  # verified tokens since last step (more after a preemption)
+        grown = tracked & (gained > 0)
+        last_len = st.last_len[slots]
+        verified = np.flatnonzero(grown & (last_len > 0) & (gained <= last_len + 1))  # rows whose last drafts were verified
         step_accepted = 0  # draft tokens the forward pass that just ran accepted
         step_predicted = 0.0  # what the calibrated probabilities of its drafts predicted for that (step log)
-        grown_rows, grown_from, grown_to = [], [], []  # rows whose verified tokens go to the drafter
-        verified_probs, verified_accepted = [], []  # last step's drafts and how many of each were accepted
-        ema_accepted, ema_predicted = self._accepted, self._predicted
-        for row, sampled in enumerate(sampled_token_ids):
-            req_id = req_ids[row]
-            num_tokens = counts[row]
-            req = live_reqs.get(req_id)
-            if req is None:
-                req = self._start(req_id, row, requests, token_ids_cpu)
-                clean = False
-            if not req.tracked:  # a request with bad options: never drafts, leaves nothing in the drafter
-                req.seen = num_tokens
-                continue
-            seen = req.seen
-            if num_tokens > seen:  # verified tokens since last step (more after a preemption)
-                gained = num_tokens - seen
-                last_len = req.last_len
-                if last_len and gained <= last_len + 1:
-                    if req.last_probs is not None:
-                        verified_probs.append(req.last_probs)
-                        verified_accepted.append(gained - 1)
-                    req.accepted += gained - 1
-                    req.predicted += req.last_psum
-                    ema_accepted = 0.99 * ema_accepted + (gained - 1)
-                    ema_predicted = 0.99 * ema_predicted + req.last_psum
-                    step_accepted += gained - 1
-                    step_predicted += req.last_psum
-                grown_rows.append(row)
-                grown_from.append(seen)
-                grown_to.append(num_tokens)
-                req.seen = num_tokens
-            step_tokens += 1 + req.last_len
-            context_tokens += num_tokens
-            if not sampled:
-                clean = False
-                continue
-            req.steps += 1
-            reqs[row] = req
-            live[row] = True
-        self._accepted, self._predicted = ema_accepted, ema_predicted
-        if grown_rows:  # one numba call inserts every row's verified tokens
-            ends = np.array(grown_to, np.int64)
+        if verified.shape[0]:
+            vs = slots[verified]
+            acc = gained[verified] - 1
+            psum = st.last_psum[vs]
+            st.accepted[vs] += acc
+            st.predicted[vs] += psum
+            # the EMAs over these rows in row order: 0.99 per row, as one row after the other
+            m = verified.shape[0]
+            fade = 0.99 ** np.arange(m - 1, -1, -1)
+            self._accepted = 0.99**m * self._accepted + float(fade @ acc)
+            self._predicted = 0.99**m * self._predicted + float(fade @ psum)
+            step_accepted, step_predicted = int(acc.sum()), float(psum.sum())
+            cols = np.arange(st.last_probs.shape[1])
+            offered = cols < last_len[verified][:, None]  # last step's draft tokens, row by row
+            self.acceptance.observe(st.last_probs[vs][offered], (cols < acc[:, None])[offered])
+        grown_rows = np.flatnonzero(grown)
+        if grown_rows.shape[0]:  # one numba call inserts every row's verified tokens
+            ends = counts[grown_rows]
+            st.seen[slots[grown_rows]] = ends
             # Row i of the matrix must be grown_rows[i]: token_ids_cpu itself when they are 0..n-1.
-            aligned = grown_rows[-1] == len(grown_rows) - 1
+            aligned = grown_rows[-1] == grown_rows.shape[0] - 1
             tokens = token_ids_cpu if aligned else token_ids_cpu[grown_rows, : int(ends.max())]
-            drafter.add_tokens_batch([req_ids[r] for r in grown_rows], tokens, np.array(grown_from, np.int64), ends)
-        if verified_probs:
-            lens = np.fromiter((len(p) for p in verified_probs), np.int64, len(verified_probs))
-            position = np.arange(int(lens.sum())) - np.repeat(np.cumsum(lens) - lens, lens)
-            self.acceptance.observe(np.concatenate(verified_probs), position < np.repeat(np.array(verified_accepted), lens))
+            drafter.add_tokens_batch([req_ids[r] for r in grown_rows.tolist()], tokens, seen[grown_rows], ends)
+        step_tokens = int((1 + last_len[tracked]).sum())  # tokens in the forward pass that just ran
+        context_tokens = int(counts[tracked].sum())  # KV tokens it read
+        sampled = np.fromiter(map(len, sampled_token_ids), np.int64, rows) > 0  # empty: still in (chunked) prefill
+        live = tracked & sampled  # rows that may draft this step
+        if (tracked & ~sampled).any():
+            clean = False
+        st.steps[slots[live]] += 1
         self._record_step(now, step_tokens, context_tokens, clean, rows, step_accepted, step_predicted)
-        budgets = np.where(live, np.minimum(self.k, self.max_model_len - counts_arr - 1), 0)
-        budgets = np.minimum(budgets, self._request_caps(reqs))
+        budgets = np.where(live, np.minimum(self.k, self.max_model_len - counts - 1), 0)
+        budgets = np.minimum(budgets, self._request_caps(slots, live, req_ids))
         if self.budget == "none":  # the speculative path and the inserts with no drafts: their cost alone
             budgets[:] = 0
         prices = cal = values = None
         if self.budget in PRICED:  # priced once per step, used by the gate and by the selection
-            prices, cal = self._prices(rows), self._row_calibration(reqs)
+            prices, cal = self._prices(rows), self._row_calibration(slots, live)
             if self.budget == "makespan" and prices is not None:
-                values = self._values(reqs)
+                values = self._values(slots, live, req_ids)
         if self.budget in PRICED and not self._cost_allows_drafts(budgets, prices, cal, values):
             self.stats.skipped_steps += 1
             self._skipped_run += 1
@@ -407,24 +436,20 @@ class DASProposer:
         self._last_drafted += total
         self.stats.drafts += drafting.shape[0]
         self.stats.draft_tokens += total
-        for row in np.flatnonzero(live & (n == 0)).tolist():  # live rows without a draft this step
-            req = reqs[row]
-            req.last_len = 0
-            req.last_probs = None
-            req.last_psum = 0.0
+        idle = slots[live & (n == 0)]  # live rows without a draft this step
+        st.last_len[idle] = 0
+        st.last_psum[idle] = 0.0
         if drafting.shape[0]:
             # a row's kept tokens and probabilities, and their calibrated sum (expected accepted tokens)
             ns = n[drafting]
             kept = probs[drafting][np.arange(probs.shape[1]) < ns[:, None]]
-            sums = np.add.reduceat(self.acceptance(kept), np.cumsum(ns) - ns).tolist()
-            ns = ns.tolist()
-            for i, (row, k, toks) in enumerate(zip(drafting.tolist(), ns, tokens[drafting].tolist())):
+            ds = slots[drafting]
+            st.last_len[ds] = ns
+            st.last_probs[ds, : probs.shape[1]] = probs[drafting]
+            st.last_psum[ds] = np.add.reduceat(self.acceptance(kept), np.cumsum(ns) - ns)
+            st.drafted[ds] += ns
+            for row, k, toks in zip(drafting.tolist(), ns.tolist(), tokens[drafting].tolist()):
                 out[row] = toks[:k]
-                req = reqs[row]
-                req.last_len = k
-                req.last_probs = probs[row, :k]
-                req.last_psum = sums[i]
-                req.drafted += k
         if len(self._reqs) > len(requests):
             self._release_finished(requests)
         return out
@@ -470,35 +495,41 @@ class DASProposer:
         except Exception as exc:  # noqa: BLE001 - one request's bad input must not stop the batch
             self.stats.bad_requests += 1
             logger.warning("das: request %s gets no drafts: %s", req_id, exc)
-            req = self._reqs[req_id] = _Req(None, num_prompt, num_prompt, min(max_tokens, self.max_model_len), 0, tracked=False)
+            max_tokens = min(max_tokens, self.max_model_len)
+            slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, 0, False)
+            req = self._reqs[req_id] = _Req(None, num_prompt, max_tokens, slot, tracked=False)
             return req
-        req = self._reqs[req_id] = _Req(pid, num_prompt, num_prompt, min(max_tokens, self.max_model_len), int(cap))
+        max_tokens = min(max_tokens, self.max_model_len)
+        slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, int(cap), True)
+        req = self._reqs[req_id] = _Req(pid, num_prompt, max_tokens, slot)
         return req
 
-    def _request_caps(self, reqs: list) -> np.ndarray:
-        """Per-row draft caps from the request's own ``das_max_draft_tokens`` and the length policy."""
-        caps = np.full(len(reqs), self.k, np.int64)
-        live = [row for row, r in enumerate(reqs) if r is not None]
-        for row in live:
-            caps[row] = min(caps[row], reqs[row].cap)
-        if self.budget not in ("class", "eq7") or not live:
+    def _request_caps(self, slots: np.ndarray, live: np.ndarray, req_ids: list) -> np.ndarray:
+        """Per-row draft caps from the request's own ``das_max_draft_tokens`` and the length policy
+        (``slots``: each row's slot in ``self._state``; ``live``: bool, the rows that may draft)."""
+        st = self._state
+        caps = np.full(slots.shape[0], self.k, np.int64)
+        rows = np.flatnonzero(live)
+        s = slots[rows]
+        caps[rows] = np.minimum(caps[rows], st.cap[s])
+        if self.budget not in ("class", "eq7") or not rows.shape[0]:
             return caps
+        rs = [self._reqs[req_ids[row]] for row in rows.tolist()]
         if self.scheduler is None:
             from scheduler.speculation import SpeculationScheduler
 
-            self.scheduler = SpeculationScheduler(self.budget, max_draft=self.k, predictor=self._length_predictor([reqs[row] for row in live]), cost=self.cost)
+            self.scheduler = SpeculationScheduler(self.budget, max_draft=self.k, predictor=self._length_predictor(rs), cost=self.cost)
         if self.budget == "eq7" and not self.cost.ready:
             return caps  # warm-up: draft freely while the cost model learns
-        rs = [reqs[row] for row in live]
         pred = self.scheduler.predictor
         sched_caps = self.scheduler.caps(
             pred.index([r.problem_id for r in rs]),
-            np.array([r.seen - r.prompt_len for r in rs], np.float64),
-            np.array([r.drafted for r in rs], np.float64),
-            np.array([r.accepted for r in rs], np.float64),
-            np.array([r.steps for r in rs], np.float64),
+            (st.seen[s] - st.prompt_len[s]).astype(np.float64),
+            st.drafted[s].astype(np.float64),
+            st.accepted[s].astype(np.float64),
+            st.steps[s].astype(np.float64),
         )
-        caps[live] = np.minimum(caps[live], sched_caps)
+        caps[rows] = np.minimum(caps[rows], sched_caps)
         return caps
 
     def _record_step(self, now: float, step_tokens: int, context_tokens: int, clean: bool, rows: int, accepted: int = 0,
@@ -562,10 +593,13 @@ class DASProposer:
         """
         return (self._accepted + 4.0) / (self._predicted + 4.0)
 
-    def _row_calibration(self, reqs: list) -> np.ndarray:
-        """Per-row acceptance calibration: the request's own accepted / predicted, shrunk toward the global one."""
+    def _row_calibration(self, slots: np.ndarray, live: np.ndarray) -> np.ndarray:
+        """Per-row acceptance calibration: the request's own accepted / predicted, shrunk toward the
+        global one (rows not ``live``: the global one)."""
         glob = self._calibration()
-        cal = np.array([glob if r is None else (r.accepted + 8.0 * glob) / (r.predicted + 8.0) for r in reqs])
+        cal = np.full(slots.shape[0], glob)
+        s = slots[live]
+        cal[live] = (self._state.accepted[s] + 8.0 * glob) / (self._state.predicted[s] + 8.0)
         return cal * self._payoff_scale
 
     def _cost_allows_drafts(self, budgets: np.ndarray, prices: tuple | None, cal: np.ndarray, values: np.ndarray | None = None) -> bool:
@@ -625,23 +659,25 @@ class DASProposer:
         self.stats.fitted_steps += 1
         return choose_drafts(probs, *prices, cal, prob_map=self.acceptance, values=values, lengths=lengths)
 
-    def _values(self, reqs: list) -> np.ndarray | None:
+    def _values(self, slots: np.ndarray, live: np.ndarray, req_ids: list) -> np.ndarray | None:
         """``makespan`` budget: seconds one accepted draft token saves, per row (:mod:`scheduler.makespan`).
 
         ``c_row + c_base * q_i``, with ``q_i`` the odds that the row's request finishes last,
         from the length predictor's expected remaining length (per-problem history of earlier
         iterations, length so far). Rows that do not draft get 0.
         """
-        live = [row for row, r in enumerate(reqs) if r is not None]
-        if not live:
+        st = self._state
+        rows = np.flatnonzero(live)
+        if not rows.shape[0]:
             return None
-        rs = [reqs[row] for row in live]
+        rs = [self._reqs[req_ids[row]] for row in rows.tolist()]
         pred = self._length_predictor(rs)
-        generated = np.array([r.seen - r.prompt_len for r in rs], np.float64)
-        left = np.maximum(np.array([r.max_tokens for r in rs], np.float64) - generated, 1.0)
+        s = slots[rows]
+        generated = (st.seen[s] - st.prompt_len[s]).astype(np.float64)
+        left = np.maximum(st.max_tokens[s] - generated, 1.0)
         expected = pred.predict(pred.index([r.problem_id for r in rs]), np.minimum(generated, pred.max_tokens)).expected_remaining
-        q = np.zeros(len(reqs))
-        q[live] = last_finish_probability(np.clip(expected, 1.0, left), left)
+        q = np.zeros(slots.shape[0])
+        q[rows] = last_finish_probability(np.clip(expected, 1.0, left), left)
         if self._given_costs is not None:
             c_base, c_row = self._given_costs
         else:
@@ -664,9 +700,10 @@ class DASProposer:
         # joins the history the length policies learn from.
         for req_id in [r for r in self._reqs if r not in requests]:
             req = self._reqs.pop(req_id)
+            self._state.free.append(self._slot_of.pop(req_id))
             if not req.tracked:
                 continue
-            self._finished_lengths.setdefault(req.problem_id, []).append(req.seen - req.prompt_len)
+            self._finished_lengths.setdefault(req.problem_id, []).append(int(self._state.seen[req.slot]) - req.prompt_len)
             self.drafter.stop_request(req_id)
 
     def _flush_lengths(self) -> None:
