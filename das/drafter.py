@@ -835,12 +835,16 @@ class DASDrafter:
         """Bring the global tree up to date before anything else reads or changes it: wait for
         the background append (re-raising its error), then append a deferred part no
         :meth:`speculate_batch` started."""
-        if self._gjob is not None:
-            job, self._gjob = self._gjob, None
-            job.result()
+        self._join_global()
         if self._gtodo is not None:
             todo, self._gtodo = self._gtodo, None
             self._append_deferred(*todo)
+
+    def _join_global(self) -> None:
+        """Wait for the background append, if one runs (re-raising its error)."""
+        if self._gjob is not None:
+            job, self._gjob = self._gjob, None
+            job.result()
 
     def _append_deferred(self, handles: np.ndarray, tokens: np.ndarray, ends: np.ndarray) -> None:
         """The deferred global-tree part of an :meth:`add_tokens_batch` (its own copy of the rows' new tokens)."""
@@ -864,9 +868,10 @@ class DASDrafter:
         """Keep the rows' new tokens (a compact copy: the engine reuses its token matrix) for the global tree."""
         n = ends - starts
         width = int(n.max()) if n.shape[0] else 0
-        cols = np.arange(width)
-        idx = np.minimum(starts[:, None] + cols, tokens.shape[1] - 1) if tokens.shape[1] else np.zeros((n.shape[0], 0), np.int64)
-        mine = np.take_along_axis(tokens[: n.shape[0]], idx, axis=1) if width else np.zeros((n.shape[0], 0), tokens.dtype)
+        mine = np.zeros((n.shape[0], 0), tokens.dtype)
+        if width:  # columns past a row's end are clipped to the matrix and never read
+            idx = np.minimum(starts[:, None] + np.arange(width), tokens.shape[1] - 1)
+            mine = np.take_along_axis(tokens[: n.shape[0]], idx, axis=1)
         self._gtodo = (handles.copy(), np.ascontiguousarray(mine), n.copy())
 
     def _add_rows_global(self, handles, tokens, starts, ends, row: int = 0) -> None:
@@ -975,9 +980,7 @@ class DASDrafter:
             ValueError: ``budgets`` of the wrong shape or dtype, or a negative budget (the
                 message names the row and the value); ``min_prob`` outside ``[0, 1]``.
         """
-        if self._gjob is not None:  # a background append still running (two drafts in a row)
-            job, self._gjob = self._gjob, None
-            job.result()
+        self._join_global()  # a background append still running (two drafts in a row)
         handles = self._handles_of(req_ids)
         rows = handles.shape[0]
         budgets = _row_vector(budgets, "budgets", rows)

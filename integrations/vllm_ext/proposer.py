@@ -138,8 +138,6 @@ class _Req:
     :class:`_ReqState` at ``slot``."""
 
     problem_id: Any
-    prompt_len: int
-    max_tokens: int
     slot: int
     tracked: bool = True  # False: bad options, the request is not in the drafter and never drafts
 
@@ -480,7 +478,7 @@ class DASProposer:
         num_prompt = int(batch.num_prompt_tokens[row])
         state = requests.get(req_id)
         params = state.sampling_params if state is not None else None
-        max_tokens = int(getattr(params, "max_tokens", None) or self.max_model_len)
+        max_tokens = min(int(getattr(params, "max_tokens", None) or self.max_model_len), self.max_model_len)
         try:
             extra = getattr(params, "extra_args", None) or {}
             if not isinstance(extra, dict):
@@ -495,13 +493,11 @@ class DASProposer:
         except Exception as exc:  # noqa: BLE001 - one request's bad input must not stop the batch
             self.stats.bad_requests += 1
             logger.warning("das: request %s gets no drafts: %s", req_id, exc)
-            max_tokens = min(max_tokens, self.max_model_len)
             slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, 0, False)
-            req = self._reqs[req_id] = _Req(None, num_prompt, max_tokens, slot, tracked=False)
+            req = self._reqs[req_id] = _Req(None, slot, tracked=False)
             return req
-        max_tokens = min(max_tokens, self.max_model_len)
         slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, int(cap), True)
-        req = self._reqs[req_id] = _Req(pid, num_prompt, max_tokens, slot)
+        req = self._reqs[req_id] = _Req(pid, slot)
         return req
 
     def _request_caps(self, slots: np.ndarray, live: np.ndarray, req_ids: list) -> np.ndarray:
@@ -518,7 +514,7 @@ class DASProposer:
         if self.scheduler is None:
             from scheduler.speculation import SpeculationScheduler
 
-            self.scheduler = SpeculationScheduler(self.budget, max_draft=self.k, predictor=self._length_predictor(rs), cost=self.cost)
+            self.scheduler = SpeculationScheduler(self.budget, max_draft=self.k, predictor=self._length_predictor(s), cost=self.cost)
         if self.budget == "eq7" and not self.cost.ready:
             return caps  # warm-up: draft freely while the cost model learns
         pred = self.scheduler.predictor
@@ -671,8 +667,8 @@ class DASProposer:
         if not rows.shape[0]:
             return None
         rs = [self._reqs[req_ids[row]] for row in rows.tolist()]
-        pred = self._length_predictor(rs)
         s = slots[rows]
+        pred = self._length_predictor(s)
         generated = (st.seen[s] - st.prompt_len[s]).astype(np.float64)
         left = np.maximum(st.max_tokens[s] - generated, 1.0)
         expected = pred.predict(pred.index([r.problem_id for r in rs]), np.minimum(generated, pred.max_tokens)).expected_remaining
@@ -685,12 +681,13 @@ class DASProposer:
             c_base, c_row = c["c_base"], c["c_row"]
         return token_values(q, c_base, c_row)
 
-    def _length_predictor(self, rs: list) -> Any:
-        """The length history of the rollouts this proposer saw finish (built on first use, fed at each ``begin_iteration``)."""
+    def _length_predictor(self, s: np.ndarray) -> Any:
+        """The length history of the rollouts this proposer saw finish (built on first use, sized by
+        the largest ``max_tokens`` of the requests at slots ``s``; fed at each ``begin_iteration``)."""
         if self.predictor is None:
             from scheduler.predictor import LengthPredictor
 
-            self.predictor = LengthPredictor(max(r.max_tokens for r in rs))
+            self.predictor = LengthPredictor(int(self._state.max_tokens[s].max()))
             self._flush_lengths()
         return self.predictor
 
@@ -703,7 +700,7 @@ class DASProposer:
             self._state.free.append(self._slot_of.pop(req_id))
             if not req.tracked:
                 continue
-            self._finished_lengths.setdefault(req.problem_id, []).append(int(self._state.seen[req.slot]) - req.prompt_len)
+            self._finished_lengths.setdefault(req.problem_id, []).append(int(self._state.seen[req.slot] - self._state.prompt_len[req.slot]))
             self.drafter.stop_request(req_id)
 
     def _flush_lengths(self) -> None:
