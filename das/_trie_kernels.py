@@ -635,7 +635,7 @@ def _advance_locus(nodes, weights, hash_table, meta, seqs, pool, s, node, t, L, 
     return m
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # nogil: as remove_sequence
 def append_tokens(mem, s, tokens, w):
     """Append ``tokens`` to sequence slot ``s`` (weight ``w``).
 
@@ -688,7 +688,7 @@ def _append_tokens(nodes, weights, hash_table, meta, seqs, pool, s, tokens, w):
     return done
 
 
-@njit(cache=True)
+@njit(cache=True, nogil=True)  # nogil: run by the drafter's background thread too (``defer_global``)
 def remove_sequence(mem, s, w):
     """Subtract sequence slot ``s`` (inserted with weight ``w``): walk each of its suffixes,
     decrement every node on the way, free the subtrees only it reached, merge a node into its only

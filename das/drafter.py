@@ -297,7 +297,10 @@ class DASDrafter:
             tree (one thread's work, most of the 0.53 ms of appending in a 1.0 ms step at 256
             rows on a 16-core GPU host's Xeon on 16 threads) for a background thread, which
             :meth:`speculate_batch` starts once it has drafted, so that they run while the
-            accelerator verifies the drafts; any other call waits for them first. The step's drafts read a global tree one step behind
+            accelerator verifies the drafts; any other call waits for them first. So does
+            :meth:`stop_request` with its global-tree part (the rollout counted as finished there,
+            the oldest one removed: 50-150 us a stop on a 2-core Zen 4, and now and then a
+            rebuild). The step's drafts read a global tree one step behind
             (the request's latest tokens are in its problem and request trees; the global scope's
             loci are looked up from the root, :func:`das._mix_kernels._context_loci`). For an
             engine whose forward pass runs on an accelerator: where it runs on the same CPU, the
@@ -357,10 +360,12 @@ class DASDrafter:
             raise ValueError(f"defer_global must be a bool or None, got {defer_global!r}")
         self.defer_global = bool(defer_global) and self.chooser == "mix" and bool(self.global_rollouts)
         self._gtodo = None  # the last add_tokens_batch's global-tree part, deferred: (handles, tokens, ends)
+        self._gkeep: list[int] = []  # stopped requests' global sequences, to count as finished rollouts (deferred)
         self._gjob = None  # that part running on the background thread (a Future)
         self._gexec = None  # the background thread (a one-thread pool, made on first use)
         self.deferred_appends = 0  # add_tokens_batch calls whose global-tree part ran in the background
-        self.deferred_ns = 0  # nanoseconds those background appends took
+        self.deferred_keeps = 0  # stop_request calls whose global-tree part ran in the background
+        self.deferred_ns = 0  # nanoseconds the background work took
         self.parallel_calls = 0  # batch calls (appending or drafting) run on several threads
         self._log_inv_decay = -math.log(self.decay)  # >= 0
         self._version = 0
@@ -607,7 +612,7 @@ class DASDrafter:
         Raises:
             ValueError: ``req_id`` already live, or bad prompt tokens.
         """
-        self._sync_global()
+        self._sync_global(keeps=False)
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} is already live")
         prompt = as_tokens(prompt_ids, "prompt_ids")
@@ -807,7 +812,7 @@ class DASDrafter:
             ValueError: bad shapes or dtypes, a bad range or an out-of-range token; the message
                 names the row and the value. Everything is checked before anything is appended.
         """
-        self._sync_global()
+        self._sync_global(keeps=False)
         handles = self._handles_of(req_ids)
         rows = handles.shape[0]
         tokens = _token_matrix(token_ids, rows)
@@ -831,14 +836,23 @@ class DASDrafter:
             self._defer_global_rows(handles, tokens, starts, ends)
         return ends - starts
 
-    def _sync_global(self) -> None:
+    def _sync_global(self, keeps: bool = True) -> None:
         """Bring the global tree up to date before anything else reads or changes it: wait for
-        the background append (re-raising its error), then append a deferred part no
-        :meth:`speculate_batch` started."""
+        the background job (re-raising its error), then append a deferred part no
+        :meth:`speculate_batch` started, and with ``keeps`` count the deferred stopped requests'
+        sequences as finished rollouts. The engine's per-step verbs (:meth:`start_request`,
+        :meth:`stop_request`, :meth:`add_tokens_batch`) leave those to the next background job:
+        its adds and removals commute with theirs."""
         self._join_global()
         if self._gtodo is not None:
             todo, self._gtodo = self._gtodo, None
             self._append_deferred(*todo)
+        if keeps and self._gkeep:
+            self._keep_deferred(self._take_keeps())
+
+    def _take_keeps(self) -> list[int]:
+        keep, self._gkeep = self._gkeep, []
+        return keep
 
     def _join_global(self) -> None:
         """Wait for the background append, if one runs (re-raising its error)."""
@@ -852,17 +866,32 @@ class DASDrafter:
         self._add_rows_global(handles, tokens, np.zeros_like(ends), ends)
         self.deferred_ns += time.perf_counter_ns() - t0
 
+    def _keep_deferred(self, seqs: list[int]) -> None:
+        """The deferred global-tree part of :meth:`stop_request` calls, in their order."""
+        t0 = time.perf_counter_ns()
+        for seq in seqs:
+            self._keep_global(seq)
+        self.deferred_keeps += len(seqs)
+        self.deferred_ns += time.perf_counter_ns() - t0
+
+    def _run_deferred(self, todo, keeps: list[int]) -> None:
+        if todo is not None:
+            self._append_deferred(*todo)
+        if keeps:
+            self._keep_deferred(keeps)
+
     def _start_deferred(self) -> None:
-        """Run the deferred global-tree part on the background thread (while the engine verifies)."""
-        if self._gtodo is None:
+        """Run the deferred global-tree work on the background thread (while the engine verifies):
+        the last appends, then the stopped requests' rollouts kept (and the oldest removed)."""
+        if self._gtodo is None and not self._gkeep:
             return
         if self._gexec is None:
             from concurrent.futures import ThreadPoolExecutor
 
             self._gexec = ThreadPoolExecutor(max_workers=1, thread_name_prefix="das-global")
         todo, self._gtodo = self._gtodo, None
-        self._gjob = self._gexec.submit(self._append_deferred, *todo)
-        self.deferred_appends += 1
+        self._gjob = self._gexec.submit(self._run_deferred, todo, self._take_keeps())
+        self.deferred_appends += todo is not None
 
     def _defer_global_rows(self, handles, tokens, starts, ends) -> None:
         """Keep the rows' new tokens (a compact copy: the engine reuses its token matrix) for the global tree."""
@@ -1153,7 +1182,7 @@ class DASDrafter:
     def stop_request(self, req_id: Hashable) -> None:
         """Finish a request: free its request tree; its rollout stays in the problem tree (this
         iteration's history). Unknown ids are ignored (idempotent)."""
-        self._sync_global()
+        self._sync_global(keeps=False)
         req = self._requests.pop(req_id, None)
         if req is None:
             return
@@ -1162,7 +1191,10 @@ class DASDrafter:
         self._out_tokens += int(self._ri[h, kernels.R_NUM_TOKENS]) - req.plen
         self._out_count += 1
         if req.gseq >= 0:  # its live sequence in the global tree is now a finished rollout there
-            self._keep_global(req.gseq)
+            if self.defer_global:  # removing the oldest one costs 50-150 us (and now and then a rebuild)
+                self._gkeep.append(req.gseq)
+            else:
+                self._keep_global(req.gseq)
         self._ri[h] = -1
         self._hreq[h] = None
         self._hfree.append(h)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from das import DASDrafter
+from das import DASDrafter, suffix_tree
 from das import _mix_kernels as mixing
+from das import _trie_kernels as kernels
 
 PROMPT = [101, 102, 103]
 
@@ -511,6 +512,46 @@ def test_deferred_global_appends_run_after_the_drafts_and_leave_the_same_tree():
         e, f = (d._global.sequence(d._requests[rid].gseq).tolist() for d in (eager, deferred))
         assert e == f == toks[rid]
     assert deferred._global.num_tokens == eager._global.num_tokens
+
+
+def test_deferred_stops_keep_the_same_finished_rollouts_in_the_global_tree(monkeypatch):
+    """``defer_global``: :meth:`stop_request` leaves its global-tree part (the rollout counted as
+    finished there, the oldest ones removed past ``global_rollouts``, now and then a rebuild that
+    moves the live sequences' slots) to the next background job. Requests stop and start every
+    step; once synced, the global tree holds the same finished and live rollouts as the eager
+    drafter's, and every live request's global slot is its sequence's."""
+    monkeypatch.setattr(suffix_tree, "_REBUILD_MIN_TOKENS", 16)  # rebuild soon (else only past 4096 removed tokens)
+    monkeypatch.setattr(suffix_tree, "_REBUILD_RATIO", 1)
+    rng = np.random.default_rng(11)
+    (eager, deferred), patterns, rows, toks = _history_drafters(rng, window=4, max_depth=8, min_token_prob=0.05, global_rollouts=6)
+    rows = list(rows)
+    budgets = np.full(len(rows), 6, np.int64)
+    fresh = 0
+    for step in range(12):
+        mat, ends = _grow(rng, patterns, rows, toks)
+        for d in (eager, deferred):
+            d.add_tokens_batch(rows, mat, None, ends)
+            d.speculate_batch(rows, budgets)
+        kept = len(deferred._gseqs)
+        for r in (step % len(rows), (step + 5) % len(rows)):  # two requests finish, two new ones take their rows
+            old, new = rows[r], f"n{fresh}"
+            fresh += 1
+            toks[new] = [r % 4, 99]
+            for d in (eager, deferred):
+                d.stop_request(old)
+                d.start_request(new, toks[new], problem_id=r % 4)
+            rows[r] = new
+        assert len(deferred._gseqs) == kept and len(deferred._gkeep) == 2  # not yet: the next job's work
+    for d in (eager, deferred):
+        d._check_batch_state()  # syncs: runs what is left
+    assert deferred.deferred_keeps == 2 * 12 and eager.deferred_keeps == 0
+    assert deferred._global.rebuilds > 0  # slots moved while requests were live
+    assert [eager._global.sequence(s).tolist() for s in eager._gseqs] == [deferred._global.sequence(s).tolist() for s in deferred._gseqs]
+    assert len(deferred._gseqs) == 6 and deferred._global.num_tokens == eager._global.num_tokens
+    for rid in rows:
+        req = deferred._requests[rid]
+        assert deferred._global.sequence(req.gseq).tolist() == toks[rid]
+        assert deferred._ri[req.h, kernels.R_GLOBAL_SLOT] == deferred._global.slot(req.gseq)
 
 
 def test_a_failing_background_append_surfaces_at_the_next_call(monkeypatch):
