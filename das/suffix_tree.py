@@ -43,7 +43,12 @@ _INIT_NODES = 256
 _INIT_SEQS = 4
 _INIT_POOL = 256
 _MIN_SEG = 16
-_REBUILD_MIN_TOKENS = 4096  # rebuild when removed-but-referenced tokens exceed this and the stored ones
+_REBUILD_MIN_TOKENS = 4096  # rebuild when removed-but-referenced tokens exceed this and _REBUILD_RATIO x the stored ones
+# A removed sequence whose tokens node labels still reference keeps only its pool segment (4 bytes a
+# token, against ~180 bytes a stored token in node rows), so the rebuild that frees them may wait
+# long: at 4x, 16 bytes a stored token at most, and a global tree (256 finished rollouts, one removed
+# per stop) rebuilds a quarter as often (a rebuild there: 28 ms, 40-80 us a stop at 1x, 2-core Zen 4).
+_REBUILD_RATIO = 4
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _INIT_HASH_MIN = 1024
@@ -146,11 +151,19 @@ class SuffixTree:
         self._reset()
 
     # ------------------------------------------------------------------ storage
-    def _reset(self) -> None:
+    def _initial_caps(self) -> tuple[int, int, int, int]:
+        """Node rows, hash slots, sequence slots and pool tokens of an empty trie."""
         D = self._max_depth
         ncap = max(_INIT_NODES, 4 * D, 2 * self._capacity)  # a stored token adds at most 2 nodes (a leaf and a split)
         hcap = _pow2(max(_INIT_HASH_MIN, 4 * kernels.hash_headroom(D)))
-        meta, words = kernels.buffer_layout(D, ncap, hcap, _INIT_SEQS, max(_INIT_POOL, self._capacity))
+        return ncap, hcap, _INIT_SEQS, max(_INIT_POOL, self._capacity)
+
+    def _reset(self, caps: tuple[int, int, int, int] | None = None) -> None:
+        """Start empty, in a buffer of ``caps`` (node rows, hash slots, sequence slots, pool
+        tokens; default :meth:`_initial_caps`)."""
+        D = self._max_depth
+        ncap, hcap, scap, pcap = caps or self._initial_caps()
+        meta, words = kernels.buffer_layout(D, ncap, hcap, scap, pcap)
         self._buffer = np.empty(words, np.int64)
         self._buffer[: kernels.M_LEN] = meta
         self._set_buffer()
@@ -170,7 +183,7 @@ class SuffixTree:
         root[kernels.C_SEQ] = 0
         root[kernels.C_IDX] = 0
         self._slots: dict[int, int] = {}  # slot -> seq id (stored sequences)
-        self._free_slots = list(range(_INIT_SEQS - 1, -1, -1))
+        self._free_slots = list(range(scap - 1, -1, -1))
         self._pool_top = 0
         self._pool_garbage = 0
         self._zombies: list[int] = []  # slots of removed sequences whose tokens stay pooled
@@ -300,15 +313,27 @@ class SuffixTree:
             pos += kernels.append_tokens(self._buffer, slot, arr[pos:], weight)
 
     def _rebuild(self) -> None:
-        """Rebuild the trie from the stored sequences (drops the removed ones' pooled tokens)."""
-        items = [(sid, self.sequence(sid), w) for sid, (slot, w) in sorted(self._seqs.items())]
+        """Rebuild the trie from the stored sequences (drops the removed ones' pooled tokens), in
+        a buffer sized for them up front (each growth on the way would copy it: 11 of a global
+        tree's 28 ms rebuild) and with each sequence's room kept (a live rollout's reserve)."""
+        seq_table = self._seq_table
+        items = [(sid, self.sequence(sid), w, int(seq_table[slot, kernels.S_CAP])) for sid, (slot, w) in sorted(self._seqs.items())]
+        m = self._meta
+        D = self._max_depth
+        init = self._initial_caps()
+        old = (int(m[kernels.M_NODE_CAP]), int(m[kernels.M_HASH_CAP]))
+        # the same strings, so the same nodes and hashed children; room for them twice over, at most the old capacities
+        ncap = max(init[0], min(old[0], _pow2(2 * (int(m[kernels.M_LIVE_NODES]) + kernels.node_headroom(D)))))
+        hcap = max(init[1], min(old[1], _pow2(4 * (int(m[kernels.M_HASH_ENTRIES]) + kernels.hash_headroom(D)))))
+        # the old sequence slots and pool: they held the removed ones too, so the next adds fit
         self.rebuilds += 1
-        self._reset()
+        self._reset((ncap, hcap, int(m[kernels.M_SEQ_CAP]), int(m[kernels.M_POOL_CAP])))
         self._seqs = {}
-        for sid, toks, w in items:
+        for sid, toks, w, cap in items:
             slot = self._new_slot()
             self._slots[slot] = sid
             self._seqs[sid] = [slot, w]
+            self._reserve(slot, max(cap, toks.shape[0]))
             if toks.shape[0]:
                 self._insert(slot, toks, w)
 
@@ -377,7 +402,8 @@ class SuffixTree:
 
         Freed rows are reused by later inserts; when no sequence is left the arrays go back to
         the initial capacity. Cost: ``O(len * max_depth)``, plus now and then a rebuild from the
-        stored sequences (when the removed sequences' still-referenced tokens outnumber them).
+        stored sequences (when the removed sequences' still-referenced tokens outnumber them
+        :data:`_REBUILD_RATIO` to 1).
 
         Raises:
             KeyError: unknown (or already removed) ``seq_id``.
@@ -409,7 +435,7 @@ class SuffixTree:
         self._zombies.append(slot)
         self._zombie_tokens += n
         self._pool_garbage += int(self._seq_table[slot, kernels.S_CAP]) - n
-        if self._zombie_tokens > max(self.num_tokens, _REBUILD_MIN_TOKENS):
+        if self._zombie_tokens > max(_REBUILD_RATIO * self.num_tokens, _REBUILD_MIN_TOKENS):
             self._rebuild()
 
     def scale(self, factor: float) -> None:

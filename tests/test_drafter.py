@@ -490,6 +490,7 @@ def test_batch_verbs_match_the_per_row_verbs(seed, chooser, monkeypatch):
     import das.suffix_tree as st
 
     monkeypatch.setattr(st, "_REBUILD_MIN_TOKENS", 16)  # rebuild often (moves live sequences' slots)
+    monkeypatch.setattr(st, "_REBUILD_RATIO", 1)
     monkeypatch.setattr(drafter_module, "PARALLEL_ROWS", 2)
     rng = np.random.default_rng(seed)
     kw = dict(window=2, decay=0.5, max_problems=3, use_request_tree=seed % 3 != 0, max_depth=6, prior=0.3,

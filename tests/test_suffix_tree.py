@@ -7,6 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from das import _trie_kernels as kernels
 from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree
 
 
@@ -250,14 +251,14 @@ def test_rebuild_after_removals_keeps_counts_and_live_sequences(sc, data):
     import das.suffix_tree as T
 
     D, vocab, ops = sc
-    old = T._REBUILD_MIN_TOKENS
-    T._REBUILD_MIN_TOKENS = 0
+    old = T._REBUILD_MIN_TOKENS, T._REBUILD_RATIO
+    T._REBUILD_MIN_TOKENS, T._REBUILD_RATIO = 0, 0
     try:
         tree, orc = run_ops(D, ops + [("remove", i) for i in range(3)] + [("extend", i, [0, 1, 0]) for i in range(3)])
     finally:
-        T._REBUILD_MIN_TOKENS = old
+        T._REBUILD_MIN_TOKENS, T._REBUILD_RATIO = old
     assert_same(tree, orc, vocab)
-    assert tree._zombie_tokens <= max(tree.num_tokens, 0) or not tree._zombies
+    assert tree._zombie_tokens == 0  # each removal that left referenced tokens rebuilt
     for sid in orc.seqs:
         assert tree.sequence(sid).tolist() == orc.seqs[sid][0]
         ctx = orc.seqs[sid][0]
@@ -514,3 +515,29 @@ def test_reserve_and_capacity_keep_a_growing_sequence_in_place():
         hinted.add([1], reserve=-1)
     with pytest.raises(ValueError, match=r"capacity must be an int >= 0 \(tokens\), got 2.5"):
         SuffixTree(12, capacity=2.5)
+
+
+def test_rebuild_sizes_its_buffer_up_front_and_keeps_each_sequences_room(monkeypatch):
+    """A rebuild moves the trie once: no growth on the way (each would copy the buffer), the
+    same strings and counts after it, and a live rollout's reserved room is still there (its next
+    tokens do not move its segment)."""
+    rng = np.random.default_rng(3)
+    tree = SuffixTree(5)
+    ids = [tree.add(rng.integers(0, 40, 300), weight=1.0 + i % 3) for i in range(40)]
+    live = tree.add(rng.integers(0, 40, 20), reserve=500)
+    for sid in ids[:30]:
+        tree.remove(sid)
+    before = {sid: tree.sequence(sid).tolist() for sid in ids[30:] + [live]}
+    nodes, toks = tree.num_nodes, tree.num_tokens
+    moves = []
+    real = SuffixTree._realloc
+    monkeypatch.setattr(SuffixTree, "_realloc", lambda self, *a: (moves.append(a), real(self, *a)))
+    tree._rebuild()
+    assert moves == [] and tree._zombies == []
+    assert {sid: tree.sequence(sid).tolist() for sid in before} == before
+    assert (tree.num_nodes, tree.num_tokens) == (nodes, toks)
+    slot = tree.slot(live)
+    base = int(tree._seq_table[slot, kernels.S_BASE])
+    assert int(tree._seq_table[slot, kernels.S_CAP]) >= 500
+    tree.extend(live, rng.integers(0, 40, 400))
+    assert int(tree._seq_table[tree.slot(live), kernels.S_BASE]) == base and moves == []
