@@ -39,11 +39,12 @@ path drafts on the drafter's ``draft_threads`` (default: this machine's physical
 8; ``--das '{"draft_threads": 1}'`` for one), printed in the header.
 
 Deferred global appends (``--das '{"defer_global": true}' --gpu-ms G``): the drafter leaves each
-step's appends to its global tree to a background thread that runs while the accelerator
+step's appends to its global tree (and its stopped requests' removals there) to a background thread that runs while the accelerator
 verifies; ``--gpu-ms`` waits ``G`` ms after each step, untimed, for that forward pass (a 7B
 decode step on a GPU: ~25 ms). A step's time then holds only what the engine waits for (the
 appends to the problem and request trees, the learning, the drafts, and any wait for a
-background append not yet done); ``deferred_ms`` is the background's own time per step. With
+background job not yet done); ``deferred_ms`` is the background's own time per step (the appends,
+and the global-tree part of the requests stopped since the last step). With
 ``--gpu-ms 0`` the next step waits for it. The per-row path appends at once, so its drafts differ
 and only the batch paths are checked against each other.
 
