@@ -314,8 +314,9 @@ class SuffixTree:
 
     def _rebuild(self) -> None:
         """Rebuild the trie from the stored sequences (drops the removed ones' pooled tokens), in
-        a buffer sized for them up front (each growth on the way would copy it: 11 of a global
-        tree's 28 ms rebuild) and with each sequence's room kept (a live rollout's reserve)."""
+        a buffer sized for them up front (each growth on the way would copy it: a global tree of
+        256 rollouts rebuilt in 7.0-8.0 ms instead of 11.1-11.9, 2-core Zen 4) and with each
+        sequence's room kept (a live rollout's reserve)."""
         seq_table = self._seq_table
         items = [(sid, self.sequence(sid), w, int(seq_table[slot, kernels.S_CAP])) for sid, (slot, w) in sorted(self._seqs.items())]
         m = self._meta
