@@ -46,7 +46,7 @@ _MIN_SEG = 16
 _REBUILD_MIN_TOKENS = 4096  # rebuild when removed-but-referenced tokens exceed this and _REBUILD_RATIO x the stored ones
 # A removed sequence whose tokens node labels still reference keeps only its pool segment (4 bytes a
 # token, against ~180 bytes a stored token in node rows), so the rebuild that frees them may wait
-# long: at 4x, 16 bytes a stored token at most, and a global tree (256 finished rollouts, one removed
+# long: at 4x, 16 bytes a stored token at most, and a global tree (256 finished rollouts and 256 live, one removed
 # per stop) rebuilds a quarter as often (a rebuild there: 28 ms, 40-80 us a stop at 1x, 2-core Zen 4).
 _REBUILD_RATIO = 4
 _I32 = np.dtype(np.int32)
