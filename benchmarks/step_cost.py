@@ -310,7 +310,7 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
         "steps": int(r0["steps"]),
         "tokens_per_row_step": round(r0["tokens"] / (r0["steps"] * rows), 3),
         "lifecycle_ms_mean": round(float(np.mean([r["lifecycle_ns"] for r in runs])) / 1e6 / r0["steps"], 4),
-        # the global tree's appends on the background thread (``defer_global``), per step: off the step's path
+        # the global tree's work on the background thread (``defer_global``: appends, stops), per step: off the step's path
         "deferred_ms_mean": round(float(np.mean([r["deferred_ns"] for r in runs])) / 1e6 / r0["steps"], 4),
         "repeats": len(runs),
     }
@@ -408,7 +408,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--paths", default=",".join(DEFAULT_PATHS), help="some of per_row, batch, proposer (comma-separated)")
     p.add_argument("--gpu-ms", type=float, default=0.0,
                    help="the accelerator's forward pass after each step, ms (waited busy, untimed; with --das "
-                        "'{\"defer_global\": true}' the global tree's appends run then); default 0")
+                        "'{\"defer_global\": true}' the global tree's appends and stops run then); default 0")
     p.add_argument("--das", default=None, help="JSON of DASDrafter settings (e.g. '{\"chooser\": \"walk\"}'); default: the defaults")
     p.add_argument("--json", default=None, help="write the report here")
     return p.parse_args(argv)

@@ -364,7 +364,7 @@ class DASDrafter:
         self._gjob = None  # that part running on the background thread (a Future)
         self._gexec = None  # the background thread (a one-thread pool, made on first use)
         self.deferred_appends = 0  # add_tokens_batch calls whose global-tree part ran in the background
-        self.deferred_keeps = 0  # stop_request calls whose global-tree part ran in the background
+        self.deferred_keeps = 0  # stop_request calls whose global-tree part was deferred (run by a later job or sync)
         self.deferred_ns = 0  # nanoseconds the background work took
         self.parallel_calls = 0  # batch calls (appending or drafting) run on several threads
         self._log_inv_decay = -math.log(self.decay)  # >= 0
@@ -855,7 +855,7 @@ class DASDrafter:
         return keep
 
     def _join_global(self) -> None:
-        """Wait for the background append, if one runs (re-raising its error)."""
+        """Wait for the background job, if one runs (re-raising its error)."""
         if self._gjob is not None:
             job, self._gjob = self._gjob, None
             job.result()
