@@ -37,3 +37,31 @@ def test_report(tmp_path):
     report = json.loads(out.read_text())
     assert set(report["arms"]) == {"modulo", "balanced"} and report["rows"] == 16
     assert main(["--ab", "owner", "--trace", str(tmp_path / "missing.parquet")]) == 2
+
+
+def test_the_settings_pair_runs_each_arm_with_its_own_settings(tmp_path, monkeypatch):
+    """``settings``: arm a and arm b build their drafters from their own settings (here the
+    global tree's depth), and the report names them."""
+    made = []
+    real = drafter_module.DASDrafter.__init__
+
+    def spy(self, *args, **kwargs):
+        made.append(kwargs.get("global_depth"))
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(drafter_module.DASDrafter, "__init__", spy)
+    settings = {"a": {"global_depth": 12}, "b": {"global_depth": 4}}
+    arms = run_pair(load_trace(_trace(tmp_path)), "settings", rows=16, repeats=2, max_steps=20, settings=settings)
+    assert set(arms) == {"a", "b"} and all(s["steps"] > 0 for s in arms.values())
+    assert made == [12, 4, 4, 12]  # in turns: a b, then b a
+    with pytest.raises(ValueError, match="settings .* go with the pair 'settings' only"):
+        run_pair([], "settings", rows=4, repeats=1)
+    with pytest.raises(ValueError, match="settings .* go with the pair 'settings' only"):
+        run_pair([], "owner", rows=4, repeats=1, settings=settings)
+    out = tmp_path / "ab.json"
+    assert main(["--ab", "settings", "--a", '{"global_depth": 12}', "--b", "{}", "--trace", str(_trace(tmp_path)),
+                 "--rows", "16", "--repeats", "2", "--max-steps", "20", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"] == {"a": {"global_depth": 12}, "b": {}}
+    with pytest.raises(SystemExit):
+        main(["--ab", "settings", "--a", "{}"])
