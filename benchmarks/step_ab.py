@@ -115,7 +115,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.ab == "settings":
         if args.a is None or args.b is None:
             ap.error("--ab settings needs --a JSON and --b JSON (two drafter settings)")
-        settings = {"a": json.loads(args.a), "b": json.loads(args.b)}
+        settings = {}
+        for arm, text in (("a", args.a), ("b", args.b)):
+            try:
+                settings[arm] = json.loads(text)
+            except json.JSONDecodeError as exc:
+                ap.error(f"--{arm} must be a JSON object of drafter settings, got {text!r} ({exc})")
+            if not isinstance(settings[arm], dict):
+                ap.error(f"--{arm} must be a JSON object of drafter settings, got {text!r}")
     elif args.a is not None or args.b is not None:
         ap.error("--a and --b go with --ab settings")
     trace = find_trace(args.trace)

@@ -63,5 +63,7 @@ def test_the_settings_pair_runs_each_arm_with_its_own_settings(tmp_path, monkeyp
                  "--rows", "16", "--repeats", "2", "--max-steps", "20", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert report["settings"] == {"a": {"global_depth": 12}, "b": {}}
-    with pytest.raises(SystemExit):
-        main(["--ab", "settings", "--a", "{}"])
+    for bad in (["--ab", "settings", "--a", "{}"], ["--ab", "settings", "--a", "{", "--b", "{}"],
+                ["--ab", "settings", "--a", "[1]", "--b", "{}"], ["--ab", "owner", "--a", "{}"]):
+        with pytest.raises(SystemExit):
+            main(bad)
