@@ -137,9 +137,8 @@ class _Req:
     """What the proposer keeps per live request that a step does not touch; the rest is in
     :class:`_ReqState` at ``slot``."""
 
-    problem_id: Any
+    problem_id: Any  # None for a request with bad options (``_ReqState.tracked`` False at its slot)
     slot: int
-    tracked: bool = True  # False: bad options, the request is not in the drafter and never drafts
 
 
 class _ReqState:
@@ -494,7 +493,7 @@ class DASProposer:
             self.stats.bad_requests += 1
             logger.warning("das: request %s gets no drafts: %s", req_id, exc)
             slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, 0, False)
-            req = self._reqs[req_id] = _Req(None, slot, tracked=False)
+            req = self._reqs[req_id] = _Req(None, slot)
             return req
         slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, int(cap), True)
         req = self._reqs[req_id] = _Req(pid, slot)
@@ -697,10 +696,12 @@ class DASProposer:
         # joins the history the length policies learn from.
         for req_id in [r for r in self._reqs if r not in requests]:
             req = self._reqs.pop(req_id)
-            self._state.free.append(self._slot_of.pop(req_id))
-            if not req.tracked:
+            del self._slot_of[req_id]
+            st, slot = self._state, req.slot
+            st.free.append(slot)
+            if not st.tracked[slot]:
                 continue
-            self._finished_lengths.setdefault(req.problem_id, []).append(int(self._state.seen[req.slot] - self._state.prompt_len[req.slot]))
+            self._finished_lengths.setdefault(req.problem_id, []).append(int(st.seen[slot] - st.prompt_len[slot]))
             self.drafter.stop_request(req_id)
 
     def _flush_lengths(self) -> None:
