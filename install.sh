@@ -38,4 +38,7 @@ if ! "$PY" -c "import arctic_inference.suffix_decoding" 2>/dev/null; then
     "$PY" -m pip install -q --no-build-isolation --no-deps arctic-inference==0.3.0 \
     || echo "install.sh: arctic-inference did not build; the 'suffix' baseline will be skipped" >&2
 fi
+# Compile the drafter's numba kernels once (cached on disk beside the source), so that the first
+# engine does not compile them at its start (about 30 s on 2 cores; das/warmup.py).
+"$PY" -c "from das.warmup import warm_up; print(f'install.sh: drafter kernels compiled in {warm_up():.0f} s')"
 echo "install.sh: done ($DAS_VLLM) in $VENV"

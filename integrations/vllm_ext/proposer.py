@@ -76,6 +76,7 @@ from das.config import BUDGET_KEYS as _BUDGET_KEYS
 from das.config import DRAFTER_KEYS as _DRAFTER_KEYS
 from das.config import das_config
 from das.drafter import DASDrafter
+from das.warmup import warm_up
 from integrations.vllm_ext import fixes as vllm_fixes
 from scheduler.budgets import names as budget_names
 from scheduler.calibration import AcceptanceCalibration
@@ -261,6 +262,7 @@ class DASProposer:
 
             drafter_cfg["defer_global"] = not is_cpu_build()
         self.drafter = DASDrafter(**drafter_cfg)
+        self._warm_up(drafter_cfg)
         self.budget = budget_cfg["budget"]
         prior = (float(budget_cfg["c_base"]), float(budget_cfg["c_tok"])) if "c_base" in budget_cfg else None
         # A given (c_base, c_tok) is used as is: a prior no measured step outweighs.
@@ -316,6 +318,19 @@ class DASProposer:
         self._payoff_scale = 1.0
         self._last_error_log = 0.0
         _INSTANCES.add(self)
+
+    @staticmethod
+    def _warm_up(drafter_cfg: dict[str, Any]) -> None:
+        """Compile or load the drafter's kernels now, at engine start, not in the first decode
+        steps (:mod:`das.warmup`: with a stale numba cache those took 8-12 s of the first
+        iteration). A failure here only moves that work back to the first steps: logged, never raised."""
+        try:
+            seconds = warm_up(**drafter_cfg)
+        except Exception as exc:  # noqa: BLE001 - the engine must start; the kernels still compile on first use
+            logger.warning("das: warming up the drafter's kernels failed (%s); they compile in the first steps instead", exc)
+            return
+        if seconds > 2.0:
+            logger.info("das: compiled the drafter's kernels in %.1f s (cached on disk: once per install or update of das)", seconds)
 
     # vLLM calls load_model on drafters; we have no model.
     def load_model(self, *args: Any, **kwargs: Any) -> None:
