@@ -177,12 +177,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--k must be >= 1, got {args.k}")
     from tabulate import tabulate
 
-    from integrations.data.trace import read_trace
+    from benchmarks.staleness import trace_rows
 
-    try:
-        rows = read_trace(args.trace)
-    except (OSError, ValueError) as exc:
-        ap.error(f"--trace: {exc}")
+    rows = trace_rows(ap, args.trace)
     res = neighbors(rows, ns, args.k)
     print(f"trace {args.trace} ({len(rows)} rollouts, {res['problems']} problems); similar = the {args.k} most similar "
           f"prompts (mean best similarity {res['similarity_mean']:.3f}); rates per output position")

@@ -102,6 +102,17 @@ def staleness(rows: list[Any], n: int = 4) -> list[dict[str, Any]]:
     return out
 
 
+def trace_rows(ap: argparse.ArgumentParser, path: Path) -> list[Any]:
+    """The rollouts of the trace at ``path`` (:func:`integrations.data.trace.read_trace`); a file
+    that cannot be read is ``ap``'s usage error, naming ``--trace``."""
+    from integrations.data.trace import read_trace
+
+    try:
+        return read_trace(path)
+    except (OSError, ValueError) as exc:
+        ap.error(f"--trace: {exc}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.staleness", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True, type=Path, help="rollout trace (parquet; das-rollout --trace or das-grpo log.trace)")
@@ -112,12 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--n must be >= 1, got {args.n}")
     from tabulate import tabulate
 
-    from integrations.data.trace import read_trace
-
-    try:
-        rows = read_trace(args.trace)
-    except (OSError, ValueError) as exc:
-        ap.error(f"--trace: {exc}")
+    rows = trace_rows(ap, args.trace)
     ages = staleness(rows, args.n)
     print(f"trace {args.trace} ({len(rows)} rollouts), contexts of {args.n} tokens; age 0 = the live siblings")
     print(tabulate([[a["age"], a["pairs"], a["positions"], a["coverage"], a["accuracy"], a["hit_rate"]] for a in ages],
