@@ -31,7 +31,7 @@ ENGINE_STEPS = textwrap.dedent(
 
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=8),
                           model_config=SimpleNamespace(max_model_len=4096),
-                          additional_config={"das": {"budget": "fixed", "defer_global": False, "window": 2, "global_rollouts": 8}})
+                          additional_config={"das": {"budget": "fixed", "defer_global": DEFER, "window": 2, "global_rollouts": 8}})
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], num_prompt_tokens=None), requests={})
     prop = DASProposer(cfg, runner=runner)
     before = compiled()
@@ -70,8 +70,10 @@ ENGINE_STEPS = textwrap.dedent(
 
 
 @pytest.mark.slow
-def test_an_engine_built_with_the_proposer_compiles_nothing_in_its_steps():
-    out = subprocess.run([sys.executable, "-c", ENGINE_STEPS], capture_output=True, text=True, timeout=600)
+@pytest.mark.parametrize("defer", [False, True], ids=["cpu-engine", "global-tree-deferred"])
+def test_an_engine_built_with_the_proposer_compiles_nothing_in_its_steps(defer):
+    script = ENGINE_STEPS.replace("DEFER", repr(defer))  # defer_global: off on a CPU engine, on where a GPU verifies
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["drafts"] > 0  # the steps drafted, so the drafting kernels ran
