@@ -329,8 +329,9 @@ class DASProposer:
         except Exception as exc:  # noqa: BLE001 - the engine must start; the kernels still compile on first use
             logger.warning("das: warming up the drafter's kernels failed (%s); they compile in the first steps instead", exc)
             return
-        if seconds > 2.0:
-            logger.info("das: compiled the drafter's kernels in %.1f s (cached on disk: once per install or update of das)", seconds)
+        if seconds > 2.0:  # a warning so that it shows by default: it explains a slow engine start
+            logger.warning("das: compiled the drafter's kernels at engine start in %.1f s (cached on disk: once per install or update)",
+                           seconds)
 
     # vLLM calls load_model on drafters; we have no model.
     def load_model(self, *args: Any, **kwargs: Any) -> None:
