@@ -301,7 +301,8 @@ class DASProposer:
         # at 2 rows, then 26 ms). With no EMA yet such a step went into the cost fit, and its
         # squared error outweighed hundreds of real steps: c_base 0.42 s, c_row and c_draft 0,
         # so drafts looked free and a 32-row step drafted 80 tokens at 0.95x the plain step's
-        # tokens per second, for a whole iteration.
+        # tokens per second, for a whole iteration. (The drafter's own kernels now compile at
+        # engine start, :meth:`_warm_up`; the engine's first steps can still be slow.)
         self._held: list[_Step] | None = []
         path = os.environ.get("DAS_STEP_LOG")
         self._step_log = open(path, "a", buffering=1) if path else None  # line-buffered: one write per step
