@@ -854,6 +854,14 @@ class DASDrafter:
         keep, self._gkeep = self._gkeep, []
         return keep
 
+    def close(self) -> None:
+        """Finish the global tree's deferred work (``defer_global``) and stop its background thread.
+        The drafter stays usable: a later deferred step starts the thread again."""
+        self._sync_global()
+        if self._gexec is not None:
+            self._gexec.shutdown()
+            self._gexec = None
+
     def _join_global(self) -> None:
         """Wait for the background job, if one runs (re-raising its error)."""
         if self._gjob is not None:

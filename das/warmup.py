@@ -84,8 +84,6 @@ def warm_up(**drafter_kwargs) -> float:
     g = DASDrafter(**{**drafter_kwargs, "global_rollouts": 1})  # the global tree lets its oldest rollouts go
     _rollouts(g, rng, 3, 4, 40, "g")
     _rollouts(g, rng, 3, 4, 40, "h")
-    for x in (d, g):
-        x._sync_global()  # the deferred global-tree work (defer_global), then its thread goes
-        if x._gexec is not None:
-            x._gexec.shutdown()
+    d.close()  # the deferred global-tree work (defer_global), then its thread goes
+    g.close()
     return time.perf_counter() - t0

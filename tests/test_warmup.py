@@ -84,3 +84,23 @@ def test_warm_up_takes_the_drafters_settings_and_checks_them():
     assert warm_up(chooser="walk", draft_threads=1) >= 0.0
     with pytest.raises(ValueError, match="window"):
         warm_up(window=0)
+
+
+def test_close_finishes_the_deferred_work_and_stops_the_thread():
+    import threading
+
+    import numpy as np
+
+    from das import DASDrafter
+
+    d = DASDrafter(defer_global=True)
+    ids = [("r", i) for i in range(20)]
+    tok = np.tile(np.arange(40, dtype=np.int32), (20, 1))
+    for i, rid in enumerate(ids):
+        d.start_request(rid, tok[i, :10], problem_id="p")
+    d.add_tokens_batch(ids, tok, None, np.full(20, 30, np.int64))
+    d.speculate_batch(ids, np.full(20, 4, np.int64))  # starts the deferred global-tree append
+    assert any(t.name.startswith("das-global") and t.is_alive() for t in threading.enumerate())
+    d.close()
+    assert not any(t.name.startswith("das-global") and t.is_alive() for t in threading.enumerate())
+    assert d.stats()["requests"] == 20  # still usable
