@@ -18,6 +18,10 @@ appends the tokens its last verification accepted, then drafts up to K tokens. M
   plus the proposer's own work (bookkeeping and draft selection over the rows' arrays, the
   output lists), and the requests it starts and stops inside the call. Nearly the drafts of ``batch``: a finished
   request leaves the drafter at the proposer's next call, one step later, as in the engine.
+  With ``--prices C_BASE,C_TOK`` its budget is ``cost``, priced by the line ``c_base + c_tok *
+  tokens`` (seconds): it keeps the drafts an engine with those step times would, and its drafter
+  stops where those prices cut (``proposer_stats.cut_steps``). ``0.019,0.000024`` is a 7B model
+  on an H100: 25 ms a step at 256 rows, 24 us per token (the simulator's roofline, compute-bound).
 
 The workload: the trace's last iteration is the one being generated, the earlier iterations are
 its problems' history (``add_rollout``, one policy version each). ``rows`` requests run at once;
@@ -130,14 +134,17 @@ class Workload:
         return d
 
 
-def stand_in_proposer(drafter, k: int, max_model_len: int):
-    """A :class:`DASProposer` (``fixed`` budget, K = ``k``) around ``drafter``, with a stand-in
-    model runner: the attributes of vLLM's runner that the proposer reads (``input_batch.req_ids``,
-    ``input_batch.num_prompt_tokens``, ``requests[req_id].sampling_params``)."""
+def stand_in_proposer(drafter, k: int, max_model_len: int, prices: tuple[float, float] | None = None):
+    """A :class:`DASProposer` (K = ``k``) around ``drafter``, with a stand-in model runner: the
+    attributes of vLLM's runner that the proposer reads (``input_batch.req_ids``,
+    ``input_batch.num_prompt_tokens``, ``requests[req_id].sampling_params``). Its budget is
+    ``fixed``, or with ``prices = (c_base, c_tok)`` (seconds, seconds per token) the ``cost``
+    budget priced by that line: the drafts an engine with those step times would keep."""
     from integrations.vllm_ext.proposer import DASProposer
 
+    das = {"budget": "fixed"} if prices is None else {"budget": "cost", "c_base": prices[0], "c_tok": prices[1]}
     cfg = SimpleNamespace(speculative_config=SimpleNamespace(num_speculative_tokens=k),
-                          model_config=SimpleNamespace(max_model_len=max_model_len), additional_config={"das": {"budget": "fixed"}})
+                          model_config=SimpleNamespace(max_model_len=max_model_len), additional_config={"das": das})
     runner = SimpleNamespace(input_batch=SimpleNamespace(req_ids=[], num_prompt_tokens=None), requests={})
     prop = DASProposer(cfg, runner=runner)
     prop.drafter = drafter
@@ -155,9 +162,10 @@ def wait_forward(ms: float) -> None:
 
 
 def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str, Any] | None = None,
-             gpu_ms: float = 0.0) -> dict[str, Any]:
+             gpu_ms: float = 0.0, prices: tuple[float, float] | None = None) -> dict[str, Any]:
     """Run the engine steps of ``work`` through one path; returns per-step times (ns) and counts.
-    ``gpu_ms``: the accelerator's forward pass after each step (:func:`wait_forward`, untimed)."""
+    ``gpu_ms``: the accelerator's forward pass after each step (:func:`wait_forward`, untimed).
+    ``prices``: the ``proposer`` path's step-time line (:func:`stand_in_proposer`)."""
     d = work.drafter(**(config or {}))
     R = work.rows
     tok = np.zeros((R, work.width), np.int32)  # as vLLM's token_ids_cpu: row r = its request's tokens
@@ -179,7 +187,7 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
     cols = np.arange(k)
     prompt_len = np.zeros(R, np.int64)
     if path == "proposer":
-        prop, runner = stand_in_proposer(d, k, work.width + k + 2)
+        prop, runner = stand_in_proposer(d, k, work.width + k + 2, prices)
         runner.input_batch.num_prompt_tokens = prompt_len
         appended = [0]
         add_batch = d.add_tokens_batch
@@ -291,6 +299,7 @@ def simulate(work: Workload, path: str, k: int, max_steps: int, config: dict[str
             gc.enable()
     return {"wall_ns": np.asarray(wall_ns, np.int64), "cpu_ns": np.asarray(cpu_ns, np.int64),
             "add_ns": np.asarray(add_ns, np.int64), "steps": steps,
+            "proposer": prop.stats.as_dict() if path == "proposer" else None,
             "tokens": tokens, "lifecycle_ns": life_ns, "deferred_ns": d.deferred_ns, "drafter": d.stats()}
 
 
@@ -313,17 +322,18 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
         # the global tree's work on the background thread (``defer_global``: appends, stops), per step: off the step's path
         "deferred_ms_mean": round(float(np.mean([r["deferred_ns"] for r in runs])) / 1e6 / r0["steps"], 4),
         "repeats": len(runs),
+        **({"proposer_stats": r0["proposer"]} if r0.get("proposer") else {}),
     }
 
 
 def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=DEFAULT_PATHS,
-            config: dict[str, Any] | None = None, gpu_ms: float = 0.0) -> dict[str, Any]:
+            config: dict[str, Any] | None = None, gpu_ms: float = 0.0, prices: tuple[float, float] | None = None) -> dict[str, Any]:
     work = Workload(iterations, rows)
     runs: dict[str, list] = {p: [] for p in paths}
     for i in range(repeats):
         for p in (paths if i % 2 == 0 else paths[::-1]):
             print(f"rows {rows}: {p} (repeat {i + 1}/{repeats}) ...", file=sys.stderr, flush=True)
-            runs[p].append(simulate(work, p, k, max_steps, config, gpu_ms))
+            runs[p].append(simulate(work, p, k, max_steps, config, gpu_ms, prices))
     # per_row and batch make the same drafts; the proposer stops a finished request one step
     # later (at its next call, as in the engine), which can change a later draft a little
     steps = {p: {r["steps"] for r in rs} for p, rs in runs.items()}
@@ -342,11 +352,12 @@ def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=D
     return res
 
 
-def warm_up(iterations, k: int, paths=DEFAULT_PATHS, config: dict[str, Any] | None = None) -> None:
+def warm_up(iterations, k: int, paths=DEFAULT_PATHS, config: dict[str, Any] | None = None,
+            prices: tuple[float, float] | None = None) -> None:
     """Load every kernel (numba's disk cache) and the typed-list code before timing."""
     small = [rs[:8] for rs in iterations]
     for p in paths:
-        simulate(Workload(small, 4), p, k, 20, config)
+        simulate(Workload(small, 4), p, k, 20, config, prices=prices)
     simulate(Workload(small, PARALLEL_ROWS), "batch", k, 5, config)  # the multi-threaded kernel
 
 
@@ -391,6 +402,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"K = {report['k']}; CPU: {machine['cpu']} ({machine['cpu_count']} cores); "
              f"draft threads {report.get('draft_threads', 1)} from {report.get('parallel_rows', '-')} rows; "
              f"forward pass between steps {report.get('gpu_ms', 0.0)} ms")
+    if report.get("prices"):
+        title += f"; proposer priced at c_base {report['prices']['c_base']} s, c_tok {report['prices']['c_tok']} s per token"
     table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ".3f", ""], colalign=[
         "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
     return f"{title}\n\n{table}"
@@ -409,6 +422,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--gpu-ms", type=float, default=0.0,
                    help="the accelerator's forward pass after each step, ms (waited busy, untimed; with --das "
                         "'{\"defer_global\": true}' the global tree's appends and stops run then); default 0")
+    p.add_argument("--prices", default=None, metavar="C_BASE,C_TOK",
+                   help="the proposer path's cost budget, priced by the step-time line c_base + c_tok * tokens (seconds): "
+                        "it keeps (and drafts) only the tokens an engine with those step times would; default: the fixed "
+                        "budget (every draft kept). E.g. 0.019,0.000024: a 7B model on an H100, 25 ms at 256 rows")
     p.add_argument("--das", default=None, help="JSON of DASDrafter settings (e.g. '{\"chooser\": \"walk\"}'); default: the defaults")
     p.add_argument("--json", default=None, help="write the report here")
     return p.parse_args(argv)
@@ -428,6 +445,16 @@ def main(argv=None) -> int:
     if not paths:
         print(f"--paths must name some of {PATHS}", file=sys.stderr)
         return 2
+    prices = None
+    if args.prices is not None:
+        try:
+            prices = tuple(float(x) for x in args.prices.split(","))
+        except ValueError:
+            prices = ()
+        if len(prices) != 2 or not (prices[0] > 0 and prices[1] >= 0) or "proposer" not in paths:
+            print(f"--prices must be C_BASE,C_TOK (seconds > 0, seconds per token >= 0) with --paths naming proposer, "
+                  f"got {args.prices!r} and --paths {args.paths!r}", file=sys.stderr)
+            return 2
     trace = find_trace(args.trace)
     if trace is None or not trace.exists():
         where = f" at {trace}" if trace else " cached"
@@ -442,12 +469,13 @@ def main(argv=None) -> int:
         print(f"--das must be a JSON object of DASDrafter settings, got {args.das!r}", file=sys.stderr)
         return 2
     iterations = load_trace(trace)
-    warm_up(iterations, args.k, paths, config)
+    warm_up(iterations, args.k, paths, config, prices)
     report: dict[str, Any] = {
         "trace": {"path": str(trace), "iterations": len(iterations), "rollouts": sum(len(r) for r in iterations),
                   "mean_output_tokens": round(float(np.mean([r.output.shape[0] for rs in iterations for r in rs])), 1)},
         "k": args.k,
         "das": config,
+        "prices": None if prices is None else {"c_base": prices[0], "c_tok": prices[1]},
         "draft_threads": threads_of(config),
         "gpu_ms": args.gpu_ms,
         "parallel_rows": PARALLEL_ROWS,
@@ -456,7 +484,7 @@ def main(argv=None) -> int:
         "rows": {},
     }
     for n in rows:
-        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths, config, args.gpu_ms)
+        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths, config, args.gpu_ms, prices)
     report["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(format_table(report))
     if args.json:

@@ -1005,8 +1005,11 @@ class DASDrafter:
                 (0: no draft for that row).
             min_prob: float in ``[0, 1]``, this call's ``min_token_prob`` (drafts stop before
                 their path probability falls below it); None: the drafter's. With the ``mix``
-                chooser a higher cutoff also means fewer outcomes to learn from (the token after
-                the verified prefix is learned from only if it was drafted).
+                chooser a cutoff that stops a draft before tokens the engine would verify means
+                fewer outcomes to learn from (the token after the verified prefix is learned from
+                only if it was drafted or stopped before); one at or below the last token the
+                engine keeps learns the same as drafting further (the vLLM proposer's priced
+                budgets stop drafts there: :func:`scheduler.step_policy.never_kept_below`).
 
         Returns:
             :class:`DraftBatch` ``(tokens int32[rows, K], probs float32[rows, K], lengths

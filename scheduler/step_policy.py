@@ -134,6 +134,79 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
     return np.bincount(owner[order[: best + 1]], minlength=rows).astype(np.int64)
 
 
+def never_kept_below(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, calibration: float | np.ndarray = 1.0,
+                     curve: tuple[np.ndarray, np.ndarray] | None = None, values: np.ndarray | None = None) -> float:
+    """The raw path probability under which :func:`choose_drafts` keeps no draft token this step.
+
+    A drafter told to stop there (``DASDrafter.speculate_batch(..., min_prob=...)``) drafts
+    fewer tokens and the step keeps exactly the same ones: the tokens it no longer drafts are
+    the ones the selection would have thrown away.
+
+    Why there is such a bound. The throughput rule keeps the top ``m`` calibrated probabilities
+    that maximise ``(B + sum p) / (spec_base_s + per_draft_s m)``; with probabilities sorted
+    that rate is unimodal in ``m``, and the last token kept satisfies ``p / per_draft_s >=`` the
+    rate it ends at ``> B / plain_s`` (the no-draft rate it must beat). When a speculative step
+    costs less than a plain one (``spec_base_s < plain_s``), a single kept token needs only
+    ``p > B (per_draft_s - (plain_s - spec_base_s)) / plain_s``. So a calibrated probability at
+    or below ``theta = B max(0, per_draft_s - max(0, plain_s - spec_base_s)) / plain_s`` is never
+    kept. With ``values`` (the saving rule) a kept token has ``p v_row > per_draft_s``, so
+    ``theta = per_draft_s / max(values)``. The calibrated probability is ``min(1,
+    prob_map(raw) * calibration[row])`` with ``prob_map`` non-decreasing, so raw probabilities up
+    to the largest ``x`` with ``prob_map(x) * max(calibration) <= theta`` are never kept either.
+
+    Args:
+        rows: ``B``, rows in the step (>= 0).
+        plain_s, spec_base_s, per_draft_s: the step's prices, as for :func:`choose_drafts`.
+        calibration: scalar or ``[rows]`` factors, as for :func:`choose_drafts`.
+        curve: ``(xs, ys)`` float arrays, the points of ``prob_map`` (piecewise linear,
+            ``xs`` increasing from 0 to 1, ``ys`` non-decreasing, as
+            :meth:`scheduler.calibration.AcceptanceCalibration.curve` gives); None: identity.
+        values: optional float ``[rows]`` seconds saved per accepted token (the saving rule).
+
+    Returns:
+        float in ``[0, 1]``: the raw probability (a hair below the bound, so that float32
+        rounding of the drafter's float64 probabilities cannot cross it); 1.0 when no token can
+        be kept at all.
+
+    Raises:
+        ValueError: ``rows < 0``, a non-positive time, negative ``per_draft_s`` or calibration.
+    """
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows!r}")
+    if not (plain_s > 0 and spec_base_s > 0):
+        raise ValueError(f"plain_s and spec_base_s must be > 0 seconds, got {plain_s!r}, {spec_base_s!r}")
+    if not per_draft_s >= 0:
+        raise ValueError(f"per_draft_s must be >= 0 seconds per token, got {per_draft_s!r}")
+    cal = float(np.max(calibration)) if np.size(calibration) else 0.0
+    if not (np.all(np.asarray(calibration) >= 0) and np.isfinite(cal)):
+        raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
+    if values is not None:
+        best = float(np.max(values)) if np.size(values) else 0.0
+        if best <= 0:
+            return 1.0
+        theta = per_draft_s / best
+    else:
+        theta = rows * max(0.0, per_draft_s - max(0.0, plain_s - spec_base_s)) / plain_s
+    if theta <= 0:
+        return 0.0
+    if cal <= 0 or theta >= 1.0:
+        return 1.0  # no calibrated probability exceeds theta
+    target = theta / cal  # prob_map(x) at or below it: never kept
+    if curve is None:
+        x = target
+    else:
+        xs, ys = (np.asarray(a, np.float64) for a in curve)
+        above = np.flatnonzero(ys > target)
+        if not above.shape[0]:
+            return 1.0
+        j = int(above[0])
+        if j == 0:
+            return 0.0
+        rise = ys[j] - ys[j - 1]
+        x = xs[j - 1] + (target - ys[j - 1]) * (xs[j] - xs[j - 1]) / rise
+    return float(min(max(x * (1.0 - 1e-6), 0.0), 1.0))
+
+
 def drafting_can_pay(rows: int, max_drafts: int, plain_s: float, spec_base_s: float, per_draft_s: float, best_prob: float,
                      best_value: float | None = None) -> bool:
     """Whether any draft could pay this step, if every draft token had probability ``best_prob``.

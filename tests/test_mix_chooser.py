@@ -577,3 +577,71 @@ def test_defer_global_is_a_bool_or_none_and_needs_a_global_tree():
     assert DASDrafter(defer_global=True, chooser="walk").defer_global is False
     with pytest.raises(ValueError, match="defer_global must be a bool or None, got 'yes'"):
         DASDrafter(defer_global="yes")
+
+
+def _true_rollouts(rng, problems: int, per_problem: int, length: int) -> dict:
+    """Rollouts that repeat their problem's text with small changes, as a GRPO group's do."""
+    out = {}
+    for p in range(problems):
+        base = rng.integers(200, 260, length)
+        for i in range(per_problem):
+            seq = base.copy()
+            flips = rng.uniform(size=length) < 0.15
+            seq[flips] = rng.integers(200, 260, int(flips.sum()))
+            out[(p, i)] = seq
+    return out
+
+
+@pytest.mark.parametrize("defer_global", [False, True])
+def test_a_draft_stopped_at_the_steps_cut_learns_what_a_draft_cut_by_the_engine_learns(defer_global):
+    """The proposer may stop a step's drafts at the probability below which its selection keeps
+    nothing (``speculate_batch(..., min_prob=cut)``) instead of drafting further and letting the
+    engine cut them there. Over many steps, with the engine keeping at most the tokens at or
+    above the cut, both drafters draft the same kept tokens and learn the same mixer weights and
+    outcome tables, bit for bit: the token after a cut is learned from either way."""
+    rng = np.random.default_rng(7)
+    truth = _true_rollouts(rng, problems=3, per_problem=4, length=60)
+    deep, cut_short = DASDrafter(defer_global=defer_global), DASDrafter(defer_global=defer_global)
+    for p in range(3):  # one earlier iteration of each problem
+        for i in range(4):
+            for d in (deep, cut_short):
+                d.add_rollout(PROMPT, truth[(p, (i + 1) % 4)][: 40 + 5 * i].tolist(), problem_id=p)
+    ids = list(truth)
+    for d in (deep, cut_short):
+        for rid in ids:
+            d.start_request(rid, PROMPT, problem_id=rid[0])
+            d.add_tokens(rid, truth[rid][:1].tolist())
+    pos = dict.fromkeys(ids, 1)
+    kept_tokens = cut_tokens = 0
+    for _step in range(45):
+        live = [r for r in ids if pos[r] < 59]
+        cut = float(rng.choice([0.1, 0.2, 0.35, 0.6]))
+        budgets = np.full(len(live), 16)
+        full = deep.speculate_batch(live, budgets)
+        short = cut_short.speculate_batch(live, budgets, min_prob=cut)
+        matrix = np.zeros((len(live), 80), np.int32)
+        starts, ends = np.zeros(len(live), np.int64), np.zeros(len(live), np.int64)
+        for r, rid in enumerate(live):
+            n_full, n_short = int(full.lengths[r]), int(short.lengths[r])
+            keep = int(np.sum(full.probs[r, :n_full] >= cut))
+            keep = min(keep, int(rng.integers(0, keep + 1)) if rng.uniform() < 0.3 else keep)  # the engine may keep fewer
+            assert n_short >= keep and n_short <= n_full
+            np.testing.assert_array_equal(short.tokens[r, :n_short], full.tokens[r, :n_short])
+            np.testing.assert_array_equal(short.probs[r, :n_short], full.probs[r, :n_short])
+            kept_tokens += keep
+            cut_tokens += n_full - n_short
+            seq, at = truth[rid], pos[rid]
+            accepted = 0
+            while accepted < keep and at + accepted < 59 and full.tokens[r, accepted] == seq[at + accepted]:
+                accepted += 1
+            new = accepted + 1  # the accepted prefix and the bonus (or recovered) token
+            matrix[r, :new] = seq[at : at + new]
+            ends[r] = new
+            pos[rid] += new
+        for d in (deep, cut_short):
+            d.add_tokens_batch(live, matrix, starts, ends)
+        np.testing.assert_array_equal(deep.mixer_weights, cut_short.mixer_weights)
+        np.testing.assert_array_equal(deep._outcomes, cut_short._outcomes)
+    assert kept_tokens > 200 and cut_tokens > 200  # the engine kept drafts, and the cut saved drafting
+    for d in (deep, cut_short):
+        d.close()

@@ -439,3 +439,81 @@ def test_verification_outcomes_fill_the_reliability_bins():
     assert prop.acceptance.accepted.sum() == pytest.approx(2.0)
     table = prop.snapshot()["reliability"]
     assert sum(r["trials"] for r in table) == pytest.approx(4.0)
+
+
+def _priced_stream(cut: bool, budget: str):
+    """Four sibling requests decoded for 40 steps by a proposer with given prices (a draft token
+    is worth keeping only at a calibrated probability above ~0.29); each row accepts the kept
+    draft prefix that matches its own continuation, then one more token. Returns the drafts of
+    every step, the tokens the drafter drafted, and the proposer. ``cut`` False: the proposer
+    lets the drafter draft down to its own ``min_token_prob``, as before the step's cutoff."""
+    rng = np.random.default_rng(3)
+    base = rng.integers(20, 60, 120)
+    eng = Engine()
+    eng.tokens = np.zeros((8, 256), np.int32)
+    config = make_config({"budget": budget, "c_base": 0.02, "c_tok": 0.002}, k=12)
+    config.model_config.max_model_len = 256
+    prop = DASProposer(config, runner=eng.runner)
+    if not cut:
+        prop._cutoff = lambda *args: None
+    drafted = [0]
+    speculate = prop.drafter.speculate_batch
+
+    def counted(*args, **kwargs):
+        found = speculate(*args, **kwargs)
+        drafted[0] += int(found.lengths.sum())
+        return found
+
+    prop.drafter.speculate_batch = counted
+    truth = {}
+    for i, rid in enumerate("abcd"):
+        seq = base.copy()
+        flips = rng.uniform(size=seq.shape[0]) < 0.1
+        seq[flips] = rng.integers(20, 60, int(flips.sum()))
+        truth[rid] = [int(t) for t in seq]
+        eng.add(rid, [1, 2, 3])
+        eng.seqs[rid] += truth[rid][: 1 + 12 * i]  # siblings at different points of the same text
+    pos = {rid: len(eng.seqs[rid]) - 3 for rid in "abcd"}
+    sampled = [[eng.seqs[rid][-1]] for rid in "abcd"]
+    steps = []
+    for _ in range(40):
+        eng.layout(list("abcd"))
+        drafts = prop.propose(sampled, eng.lens, eng.tokens)
+        steps.append(drafts)
+        sampled = []
+        for rid, draft in zip("abcd", drafts):
+            seq, at = truth[rid], pos[rid]
+            n = 0
+            while n < len(draft) and draft[n] == seq[at + n]:
+                n += 1
+            new = seq[at : at + n + 1]
+            eng.seqs[rid] += new
+            pos[rid] += len(new)
+            sampled.append(new)
+    return steps, drafted[0], prop
+
+
+@pytest.mark.parametrize("budget", ["cost", "makespan"])
+def test_drafts_stop_at_the_steps_price_and_the_engine_gets_the_same_drafts(budget):
+    """A priced step keeps no draft token below :func:`never_kept_below`'s probability, so the
+    proposer has the drafter stop there: every step hands the engine the same drafts as when
+    the drafter drafts down to its own cutoff and the selection cuts, for fewer drafted tokens."""
+    with_cut, drafted_cut, prop = _priced_stream(True, budget)
+    without, drafted_all, _ = _priced_stream(False, budget)
+    assert with_cut == without
+    assert sum(len(d) for step in with_cut for d in step) > 40  # the engine got drafts
+    assert prop.stats.cut_steps > 20 and drafted_cut < 0.8 * drafted_all
+
+
+def test_given_prices_need_no_plain_step_to_remeasure_the_plain_price():
+    """With a fitted two-regime model a plain step is forced after 16 drafting steps (it keeps the
+    plain price measured); with ``c_base``/``c_tok`` given there is nothing to measure, so the gate
+    lets the step draft."""
+    eng = Engine()
+    given = DASProposer(make_config({"budget": "cost", "c_base": 0.05, "c_tok": 1e-5}), runner=eng.runner)
+    fitted = DASProposer(make_config({"budget": "cost"}), runner=eng.runner)
+    budgets, cal = np.full(3, K), np.ones(3)
+    for prop in (given, fitted):
+        prop._since_plain = 20
+    assert given._cost_allows_drafts(budgets, given._prices(3), cal)
+    assert not fitted._cost_allows_drafts(budgets, (0.05, 0.05, 1e-5), cal)

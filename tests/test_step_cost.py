@@ -66,6 +66,28 @@ def test_the_proposer_path_drives_the_engines_proposer_through_the_same_steps(tm
     assert np.all(prop["add_ns"] <= prop["wall_ns"])
 
 
+@pytest.mark.slow
+def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_there(tmp_path, capsys):
+    """``--prices C_BASE,C_TOK`` runs the proposer path with the ``cost`` budget on that line:
+    dearer tokens keep fewer drafts (fewer tokens per row and step), the drafts stop at the
+    step's price (``cut_steps``), and the report says so; without ``--paths proposer`` it is refused."""
+    iterations = load_trace(_trace(tmp_path))
+    work = Workload(iterations, rows=8)
+    free, dear = (simulate(work, "proposer", k=8, max_steps=50, prices=p) for p in ((0.02, 0.0), (0.02, 0.0012)))
+    assert free["proposer"]["cut_steps"] == 0 and dear["proposer"]["cut_steps"] > 0
+    assert free["tokens"] / free["steps"] > dear["tokens"] / dear["steps"]
+    out = tmp_path / "priced.json"
+    trace = str(_trace(tmp_path))
+    args = ["--trace", trace, "--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "proposer"]
+    assert main(args + ["--prices", "0.02,0.001", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["prices"] == {"c_base": 0.02, "c_tok": 0.001}
+    assert "cut_steps" in report["rows"]["4"]["proposer"]["proposer_stats"]
+    assert "priced at c_base 0.02" in capsys.readouterr().out
+    assert main(args[:-2] + ["--prices", "0.02,0.001"]) == 2  # the batch path has no budget to price
+    assert main(args + ["--prices", "0.02"]) == 2
+
+
 def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys):
     """``benchmarks.kernel_pair`` times two versions of the mix kernel on the same steps and counts
     the steps whose drafts differ: none for a copy, some for a kernel that clips harder."""

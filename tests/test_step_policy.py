@@ -70,3 +70,76 @@ def test_a_draft_matrix_chooses_what_the_per_row_list_chooses(seed):
         assert want.sum() > 0 and np.all(got <= lengths)
     with pytest.raises(ValueError, match="lengths"):
         choose_drafts(matrix, 0.05, 0.052, 0.001, lengths=lengths + k)
+
+
+def _random_step(rng):
+    """A step's drafts as the drafter returns them (float64 path probabilities, non-increasing
+    per row) and the proposer's inputs to the selection: prices, per-row calibration, a learned
+    calibration curve and, half the time, per-row values (the saving rule)."""
+    from scheduler.calibration import AcceptanceCalibration
+
+    rows, k = int(rng.integers(1, 48)), int(rng.integers(1, 17))
+    lengths = rng.integers(0, k + 1, rows)
+    p64 = np.zeros((rows, k))
+    for r in range(rows):
+        p64[r, : lengths[r]] = np.cumprod(rng.uniform(0.2, 0.998, lengths[r]))
+    plain = rng.uniform(0.005, 0.05)
+    spec = plain * rng.uniform(0.7, 1.5)  # a speculative step may cost less or more than a plain one
+    per_draft = plain / rows * rng.uniform(0.0, 3.0)
+    cal = rng.uniform(0.3, 1.6, rows)
+    acc = AcceptanceCalibration()
+    seen = rng.uniform(0, 1, 400)
+    acc.observe(seen, rng.uniform(0, 1, 400) < seen * rng.uniform(0.5, 1.5))
+    values = rng.uniform(0.0, plain / rows * 4, rows) if rng.uniform() < 0.5 else None
+    return p64, lengths, (plain, spec, per_draft), cal, acc, values
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_drafts_cut_at_never_kept_below_keep_the_same_tokens(seed):
+    """A drafter that stops at :func:`never_kept_below`'s probability loses only tokens that the
+    selection would have thrown away: the step keeps the same tokens, on every rule, with
+    speculative steps cheaper or dearer than plain ones, and the drafts handed over as float32."""
+    from scheduler.step_policy import choose_drafts, never_kept_below
+
+    rng = np.random.default_rng(seed)
+    p64, lengths, prices, cal, acc, values = _random_step(rng)
+    rows = lengths.shape[0]
+    cut = never_kept_below(rows, *prices, cal, acc.curve(), values)
+    assert 0.0 <= cut <= 1.0
+    short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(rows)])  # the drafter's stop rule
+    p32 = p64.astype(np.float32)
+    full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
+    cut_short = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=short)
+    assert cut_short.tolist() == full.tolist()
+    assert np.all(full <= short)
+
+
+def test_never_kept_below_rises_with_the_price_of_a_draft_token():
+    from scheduler.step_policy import never_kept_below
+
+    cuts = [never_kept_below(64, 0.05, 0.05, c) for c in (0.0, 0.0001, 0.0003, 0.0006)]
+    assert cuts[0] == 0.0 and cuts == sorted(cuts) and cuts[-1] < 1.0
+    assert cuts[2] == pytest.approx(64 * 0.0003 / 0.05, rel=1e-5)  # identity map: theta itself
+    assert never_kept_below(64, 0.05, 0.05, 0.001) == 1.0  # no token can pay: nothing to draft
+    assert never_kept_below(64, 0.05, 0.04, 0.0001) == 0.0  # a cheaper speculative step pays for one token at any p
+    assert never_kept_below(4, 0.05, 0.05, 0.001, values=np.array([0.0, 0.01])) == pytest.approx(0.1, rel=1e-5)
+    assert never_kept_below(4, 0.05, 0.05, 0.001, values=np.zeros(4)) == 1.0
+    with pytest.raises(ValueError, match="rows"):
+        never_kept_below(-1, 0.05, 0.05, 0.001)
+    with pytest.raises(ValueError, match="calibration"):
+        never_kept_below(4, 0.05, 0.05, 0.001, calibration=np.array([-1.0, 1.0]))
+
+
+def test_the_random_steps_above_cut_drafts_that_the_selection_keeps_some_of():
+    """The equality test above means something only where the cut drops tokens from steps that
+    keep some: most of its random steps are of that kind."""
+    from scheduler.step_policy import choose_drafts, never_kept_below
+
+    both = 0
+    for seed in range(300):
+        p64, lengths, prices, cal, acc, values = _random_step(np.random.default_rng(seed))
+        cut = never_kept_below(lengths.shape[0], *prices, cal, acc.curve(), values)
+        short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(lengths.shape[0])])
+        kept = choose_drafts(p64.astype(np.float32), *prices, cal, prob_map=acc, values=values, lengths=lengths)
+        both += bool(short.sum() < lengths.sum() and kept.sum() > 0)
+    assert both >= 75

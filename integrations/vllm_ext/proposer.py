@@ -34,6 +34,9 @@ of :mod:`scheduler.budgets` that run in the proposer):
   verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
   the drafter's probabilities calibrated online, per probability bin, against the tokens actually
   accepted (:class:`scheduler.calibration.AcceptanceCalibration`; ``snapshot()["reliability"]``).
+  The drafter stops each draft where the step's prices would cut it anyway
+  (:func:`scheduler.step_policy.never_kept_below`): the same drafts reach the engine, for fewer
+  drafter lookups (``ProposerStats.cut_steps`` counts those steps).
 - ``"makespan"``: ``"cost"``, with each row's accepted draft token valued at the time it saves a
   batch that only drains (no request waiting): ``c_row + c_base * q_i``, ``q_i`` the odds that the
   request finishes last given the length predictor's expected remaining length
@@ -45,7 +48,7 @@ of :mod:`scheduler.budgets` that run in the proposer):
 
 The cost model (:class:`scheduler.cost_model.CostModel`) is fitted online from the engine's own
 step times (the interval between consecutive ``propose`` calls over pure decode steps), or fixed
-with ``c_base``/``c_tok`` (seconds). Until it is fitted, ``cost`` and ``eq7`` draft as ``fixed``,
+with ``c_base``/``c_tok`` (seconds; then no plain step is forced to re-measure the plain price). Until it is fitted, ``cost`` and ``eq7`` draft as ``fixed``,
 which also spreads the step sizes the fit needs. The length history behind ``class`` and ``eq7``
 is the lengths of the rollouts this proposer saw finish, added at each ``begin_iteration``.
 
@@ -83,7 +86,7 @@ from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
 from scheduler.makespan import last_finish_probability, token_values
 from scheduler.regime_cost import TwoRegimeCost
-from scheduler.step_policy import choose_drafts, drafting_can_pay
+from scheduler.step_policy import choose_drafts, drafting_can_pay, never_kept_below
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +125,7 @@ class ProposerStats:
     steps: int = 0  # propose() calls
     fitted_steps: int = 0  # steps whose budget came from the fitted cost model
     skipped_steps: int = 0  # steps the cost model ruled out drafting for (no drafter lookups at all)
+    cut_steps: int = 0  # steps whose drafts stopped at the step's price, above the drafter's own cutoff
     rows: int = 0  # rows seen, all steps
     drafts: int = 0  # rows that got a non-empty draft
     draft_tokens: int = 0
@@ -441,7 +445,7 @@ class DASProposer:
             self.stats.skipped_steps += 1
             self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
-        tokens, probs, lengths = self._speculate(live, budgets, req_ids)
+        tokens, probs, lengths = self._speculate(live, budgets, req_ids, self._cutoff(rows, prices, cal, values))
         keep = self._step_budget(probs, lengths, prices, cal, values)
         n = lengths if keep is None else np.minimum(keep, lengths)
         out: list[list[int]] = [[] for _ in range(rows)]
@@ -468,14 +472,32 @@ class DASProposer:
             self._release_finished(requests)
         return out
 
-    def _speculate(self, live: np.ndarray, budgets: np.ndarray, req_ids: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _cutoff(self, rows: int, prices: tuple | None, cal: np.ndarray | None, values: np.ndarray | None) -> float | None:
+        """The path probability this step's drafts may stop at (None: the drafter's own cutoff).
+
+        A priced step keeps only the draft tokens :func:`choose_drafts` selects, and none whose
+        probability is below :func:`never_kept_below`; drafting those costs the drafter's
+        lookups for tokens that are thrown away. Stopping there keeps the same tokens and the
+        same learning (the drafter learns from the token after a cut as from the token it stopped
+        before). Warm-up and exploration steps keep drafts by another rule: no cutoff there."""
+        if self.budget not in PRICED or prices is None or self._exploring:
+            return None
+        cut = never_kept_below(rows, *prices, cal, self.acceptance.curve(), values)
+        if cut <= self.drafter.min_token_prob:
+            return None
+        self.stats.cut_steps += 1
+        return cut
+
+    def _speculate(self, live: np.ndarray, budgets: np.ndarray, req_ids: list,
+                   min_prob: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every drafting row's draft from one batched drafter call: ``(tokens int32[rows, K], probs
-        float32[rows, K], lengths int64[rows])``, length 0 for rows that do not draft."""
+        float32[rows, K], lengths int64[rows])``, length 0 for rows that do not draft; drafts stop
+        below ``min_prob`` (None: the drafter's ``min_token_prob``)."""
         rows = live.shape[0]
         sub = np.flatnonzero(live & (budgets > 0))
         if not sub.shape[0]:
             return np.empty((rows, 0), np.int32), np.empty((rows, 0), np.float32), np.zeros(rows, np.int64)
-        found = self.drafter.speculate_batch([req_ids[row] for row in sub.tolist()], budgets[sub])
+        found = self.drafter.speculate_batch([req_ids[row] for row in sub.tolist()], budgets[sub], min_prob)
         if sub.shape[0] == rows:
             return found.tokens, found.probs, found.lengths
         tokens = np.full((rows, found.tokens.shape[1]), -1, np.int32)
@@ -624,8 +646,8 @@ class DASProposer:
         rows = len(budgets)
         if rows == 0 or not budgets.any():
             return False
-        if prices is not None and self._since_plain >= 16:
-            return False  # a plain step now and then keeps the plain regime's price measured
+        if prices is not None and self._given_costs is None and self._since_plain >= 16:
+            return False  # a plain step now and then keeps the plain regime's price measured (given prices need none)
         if prices is not None and self._skipped_run >= 32:
             self._skipped_run = 0
             self._exploring = True  # after 32 steps ruled out in a row, one step re-measures acceptance
