@@ -1009,7 +1009,8 @@ class DASDrafter:
                 fewer outcomes to learn from (the token after the verified prefix is learned from
                 only if it was drafted or stopped before); one at or below the last token the
                 engine keeps learns the same as drafting further (the vLLM proposer's priced
-                budgets stop drafts there: :func:`scheduler.step_policy.never_kept_below`).
+                budgets stop drafts where the step's selection keeps nothing more:
+                :func:`scheduler.step_policy.keep_bound`, :meth:`integrations.vllm_ext.proposer.DASProposer._cutoff`).
 
         Returns:
             :class:`DraftBatch` ``(tokens int32[rows, K], probs float32[rows, K], lengths

@@ -50,7 +50,7 @@ def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, cal
 
 def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spec_base_s: float, per_draft_s: float,
                   calibration: float | np.ndarray = 1.0, prob_map: Callable[[np.ndarray], np.ndarray] | None = None,
-                  values: np.ndarray | None = None, lengths: np.ndarray | None = None) -> np.ndarray:
+                  values: np.ndarray | None = None, lengths: np.ndarray | None = None, peak: dict | None = None) -> np.ndarray:
     """Throughput-optimal draft tokens per row when plain and speculative steps are priced apart.
 
     A step over ``B`` rows costs ``plain_s`` seconds without drafts and
@@ -78,6 +78,12 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
             non-increasing along it, so the best set is again a prefix of every row). None: the
             throughput rule above, which values every row's token at ``plain_s / B``.
         lengths: int ``[rows]``, each in ``[0, K]``: the draft lengths when ``path_probs`` is a matrix.
+        peak: optional dict, filled by the throughput rule (no ``values``) with the peak of its
+            rate over the draft tokens, whether or not it beats the plain rate: ``tokens`` (how
+            many of the most probable it takes), ``rate`` (tokens per second there), ``floor``
+            (the calibrated probability of the last of them) and ``drafted`` (all draft tokens
+            given); ``tokens`` 0 when none were given. It tells
+            whether drafts cut short kept what longer ones would (:func:`cut_kept_the_same`).
 
     Returns:
         int64 ``[rows]``: leading draft tokens to keep per row.
@@ -104,6 +110,8 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
                              f"{matrix.shape} and {lengths.shape}")
         rows = matrix.shape[0]
     keep = np.zeros(rows, np.int64)
+    if peak is not None:
+        peak.update(tokens=0, rate=0.0, floor=0.0, drafted=int(lengths.sum()))
     if lengths.sum() == 0:
         return keep
     owner = np.repeat(np.arange(rows), lengths)
@@ -129,47 +137,33 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
     gain = rows + np.cumsum(probs[order])  # expected tokens with the top m+1 drafts
     rate = gain / (spec_base_s + per_draft_s * np.arange(1, len(order) + 1))
     best = int(np.argmax(rate))
+    if peak is not None:
+        peak.update(tokens=best + 1, rate=float(rate[best]), floor=float(probs[order[best]]))
     if rate[best] <= rows / plain_s:  # no draft at all beats every choice
         return keep
     return np.bincount(owner[order[: best + 1]], minlength=rows).astype(np.int64)
 
 
-def never_kept_below(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, calibration: float | np.ndarray = 1.0,
-                     curve: tuple[np.ndarray, np.ndarray] | None = None, values: np.ndarray | None = None) -> float:
-    """The raw path probability under which :func:`choose_drafts` keeps no draft token this step.
+def keep_bound(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, values: np.ndarray | None = None) -> float:
+    """The calibrated probability at or below which :func:`choose_drafts` keeps no draft token.
 
-    A drafter told to stop there (``DASDrafter.speculate_batch(..., min_prob=...)``) drafts
-    fewer tokens and the step keeps exactly the same ones: the tokens it no longer drafts are
-    the ones the selection would have thrown away.
-
-    Why there is such a bound. The throughput rule keeps the top ``m`` calibrated probabilities
-    that maximise ``(B + sum p) / (spec_base_s + per_draft_s m)``; with probabilities sorted
-    that rate is unimodal in ``m``, and the last token kept satisfies ``p / per_draft_s >=`` the
-    rate it ends at ``> B / plain_s`` (the no-draft rate it must beat). When a speculative step
-    costs less than a plain one (``spec_base_s < plain_s``), a single kept token needs only
-    ``p > B (per_draft_s - (plain_s - spec_base_s)) / plain_s``. So a calibrated probability at
-    or below ``theta = B max(0, per_draft_s - max(0, plain_s - spec_base_s)) / plain_s`` is never
-    kept. With ``values`` (the saving rule) a kept token has ``p v_row > per_draft_s``, so
-    ``theta = per_draft_s / max(values)``. The calibrated probability is ``min(1,
-    prob_map(raw) * calibration[row])`` with ``prob_map`` non-decreasing, so raw probabilities up
-    to the largest ``x`` with ``prob_map(x) * max(calibration) <= theta`` are never kept either.
+    The throughput rule keeps the top ``m`` calibrated probabilities that maximise
+    ``(B + sum p) / (spec_base_s + per_draft_s m)``; over sorted probabilities that rate is
+    unimodal (adding ``p`` raises it iff ``p / per_draft_s`` exceeds it, and the new rate lies
+    between the two), so the last token kept has ``p / per_draft_s >=`` the rate it ends at,
+    which must beat the plain rate ``B / plain_s``. When a speculative step costs less than a
+    plain one, a single kept token needs only ``p > B (per_draft_s - (plain_s - spec_base_s)) /
+    plain_s``. Hence ``B max(0, per_draft_s - max(0, plain_s - spec_base_s)) / plain_s``. With
+    ``values`` (the saving rule) a kept token has ``p v_row > per_draft_s``: ``per_draft_s /
+    max(values)`` (``inf`` when no row has a value).
 
     Args:
         rows: ``B``, rows in the step (>= 0).
         plain_s, spec_base_s, per_draft_s: the step's prices, as for :func:`choose_drafts`.
-        calibration: scalar or ``[rows]`` factors, as for :func:`choose_drafts`.
-        curve: ``(xs, ys)`` float arrays, the points of ``prob_map`` (piecewise linear,
-            ``xs`` increasing from 0 to 1, ``ys`` non-decreasing, as
-            :meth:`scheduler.calibration.AcceptanceCalibration.curve` gives); None: identity.
         values: optional float ``[rows]`` seconds saved per accepted token (the saving rule).
 
-    Returns:
-        float in ``[0, 1]``: the raw probability (a hair below the bound, so that float32
-        rounding of the drafter's float64 probabilities cannot cross it); 1.0 when no token can
-        be kept at all.
-
     Raises:
-        ValueError: ``rows < 0``, a non-positive time, negative ``per_draft_s`` or calibration.
+        ValueError: ``rows < 0``, a non-positive time or a negative ``per_draft_s``.
     """
     if rows < 0:
         raise ValueError(f"rows must be >= 0, got {rows!r}")
@@ -177,21 +171,45 @@ def never_kept_below(rows: int, plain_s: float, spec_base_s: float, per_draft_s:
         raise ValueError(f"plain_s and spec_base_s must be > 0 seconds, got {plain_s!r}, {spec_base_s!r}")
     if not per_draft_s >= 0:
         raise ValueError(f"per_draft_s must be >= 0 seconds per token, got {per_draft_s!r}")
-    cal = float(np.max(calibration)) if np.size(calibration) else 0.0
-    if not (np.all(np.asarray(calibration) >= 0) and np.isfinite(cal)):
-        raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
     if values is not None:
         best = float(np.max(values)) if np.size(values) else 0.0
-        if best <= 0:
-            return 1.0
-        theta = per_draft_s / best
-    else:
-        theta = rows * max(0.0, per_draft_s - max(0.0, plain_s - spec_base_s)) / plain_s
-    if theta <= 0:
+        return per_draft_s / best if best > 0 else float("inf")
+    return rows * max(0.0, per_draft_s - max(0.0, plain_s - spec_base_s)) / plain_s
+
+
+def raw_cutoff(theta: float, calibration: float | np.ndarray = 1.0, curve: tuple[np.ndarray, np.ndarray] | None = None) -> float:
+    """The raw path probability below which every calibrated probability is at most ``theta``.
+
+    The selection's calibrated probability is ``min(1, prob_map(raw) * calibration[row])`` with
+    ``prob_map`` non-decreasing, so raw probabilities up to the largest ``x`` with
+    ``prob_map(x) * max(calibration) <= theta`` lie at or below ``theta`` on every row.
+
+    Args:
+        theta: calibrated probability (>= 0; ``inf`` allowed).
+        calibration: scalar or ``[rows]`` factors, as for :func:`choose_drafts`.
+        curve: ``(xs, ys)`` float arrays, the points of ``prob_map`` (piecewise linear, ``xs``
+            increasing from 0 to 1, ``ys`` non-decreasing, as
+            :meth:`scheduler.calibration.AcceptanceCalibration.curve` gives); None: identity.
+
+    Returns:
+        float in ``[0, 1]``, a hair (1e-6 relative) below that ``x``, so that float32 rounding of
+        a drafter's float64 probabilities cannot cross it; 1.0 when no calibrated probability
+        can exceed ``theta``.
+
+    Raises:
+        ValueError: a negative or non-finite calibration, a negative ``theta``.
+    """
+    cal = np.asarray(calibration, np.float64)
+    if np.any(cal < 0) or not np.all(np.isfinite(cal)):
+        raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
+    if not theta >= 0:
+        raise ValueError(f"theta must be >= 0, got {theta!r}")
+    top = float(cal.max()) if cal.size else 0.0
+    if theta == 0:
         return 0.0
-    if cal <= 0 or theta >= 1.0:
+    if top <= 0 or theta >= 1.0:
         return 1.0  # no calibrated probability exceeds theta
-    target = theta / cal  # prob_map(x) at or below it: never kept
+    target = theta / top  # prob_map(x) at or below it: at most theta on every row
     if curve is None:
         x = target
     else:
@@ -202,9 +220,50 @@ def never_kept_below(rows: int, plain_s: float, spec_base_s: float, per_draft_s:
         j = int(above[0])
         if j == 0:
             return 0.0
-        rise = ys[j] - ys[j - 1]
-        x = xs[j - 1] + (target - ys[j - 1]) * (xs[j] - xs[j - 1]) / rise
+        x = xs[j - 1] + (target - ys[j - 1]) * (xs[j] - xs[j - 1]) / (ys[j] - ys[j - 1])
     return float(min(max(x * (1.0 - 1e-6), 0.0), 1.0))
+
+
+def never_kept_below(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, calibration: float | np.ndarray = 1.0,
+                     curve: tuple[np.ndarray, np.ndarray] | None = None, values: np.ndarray | None = None) -> float:
+    """The raw path probability under which :func:`choose_drafts` keeps no draft token this step:
+    :func:`raw_cutoff` of :func:`keep_bound`.
+
+    A drafter told to stop there (``DASDrafter.speculate_batch(..., min_prob=...)``) drafts
+    fewer tokens and the step keeps exactly the same ones: the tokens it no longer drafts are
+    the ones the selection would have thrown away.
+
+    Returns:
+        float in ``[0, 1]``; 1.0 when no token can be kept at all.
+
+    Raises:
+        ValueError: as :func:`keep_bound` and :func:`raw_cutoff`.
+    """
+    return raw_cutoff(keep_bound(rows, plain_s, spec_base_s, per_draft_s, values), calibration, curve)
+
+
+def cut_kept_the_same(theta: float, bound: float, per_draft_s: float, peak: dict) -> bool:
+    """Whether drafts stopped at :func:`raw_cutoff` ``(theta)`` kept, under the throughput rule,
+    exactly what drafts down to the safe :func:`keep_bound` ``bound`` would have.
+
+    Every draft token left out has a calibrated probability of at most ``theta``. The cut
+    drafts' rate peaks at ``peak["tokens"]`` tokens, the last of them at probability
+    ``peak["floor"]``, and the token after them would lower it. If ``theta`` lies below both
+    ``peak["floor"]`` and ``per_draft_s * peak["rate"]``, every token left out ranks below
+    those tokens and would lower the rate too, and the rate over the sorted tokens is unimodal
+    (:func:`keep_bound`): the full drafts peak at the same tokens, so the selection keeps the
+    same. (The peak alone is not enough: with per-row calibration a token left out may rank
+    above drafted ones.) With no draft token given, nothing is known beyond ``bound``.
+
+    Args:
+        theta: the calibrated probability the drafts were cut at.
+        bound: :func:`keep_bound` of the step.
+        per_draft_s: seconds per draft token.
+        peak: :func:`choose_drafts`' ``peak`` of the cut drafts.
+    """
+    if theta <= bound:
+        return True
+    return peak["drafted"] > 0 and theta < min(peak["floor"], per_draft_s * peak["rate"])
 
 
 def drafting_can_pay(rows: int, max_drafts: int, plain_s: float, spec_base_s: float, per_draft_s: float, best_prob: float,

@@ -493,16 +493,22 @@ def _priced_stream(cut: bool, budget: str):
     return steps, drafted[0], prop
 
 
-@pytest.mark.parametrize("budget", ["cost", "makespan"])
-def test_drafts_stop_at_the_steps_price_and_the_engine_gets_the_same_drafts(budget):
-    """A priced step keeps no draft token below :func:`never_kept_below`'s probability, so the
-    proposer has the drafter stop there: every step hands the engine the same drafts as when
-    the drafter drafts down to its own cutoff and the selection cuts, for fewer drafted tokens."""
+@pytest.mark.parametrize("budget,guess", [("cost", False), ("makespan", False), ("cost", True)])
+def test_drafts_stop_at_the_steps_price_and_the_engine_gets_the_same_drafts(budget, guess, monkeypatch):
+    """A priced step keeps no draft token at or below :func:`keep_bound`, so the proposer has the
+    drafter stop there, or (``guess``: the throughput rule from ``GUESS_ROWS`` rows) near the
+    last step's keep threshold, drafting again where the check says the guess lost a token:
+    every step hands the engine the same drafts as when the drafter drafts down to its own
+    cutoff and the selection cuts, for fewer drafted tokens."""
+    from integrations.vllm_ext import proposer
+
+    monkeypatch.setattr(proposer, "GUESS_ROWS", 1 if guess else 10**9)
     with_cut, drafted_cut, prop = _priced_stream(True, budget)
     without, drafted_all, _ = _priced_stream(False, budget)
     assert with_cut == without
     assert sum(len(d) for step in with_cut for d in step) > 40  # the engine got drafts
     assert prop.stats.cut_steps > 20 and drafted_cut < 0.8 * drafted_all
+    assert (prop.stats.recut_steps > 0) == guess  # four rows: the guess misses now and then
 
 
 def test_given_prices_need_no_plain_step_to_remeasure_the_plain_price():

@@ -143,3 +143,50 @@ def test_the_random_steps_above_cut_drafts_that_the_selection_keeps_some_of():
         kept = choose_drafts(p64.astype(np.float32), *prices, cal, prob_map=acc, values=values, lengths=lengths)
         both += bool(short.sum() < lengths.sum() and kept.sum() > 0)
     assert both >= 75
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_drafts_cut_at_a_guess_keep_the_same_tokens_whenever_the_check_says_so(seed):
+    """A guess above :func:`keep_bound` (the last step's keep threshold, say) cuts more; the
+    selection's ``peak`` then says whether the cut drafts kept what the full ones keep, and
+    when it says so they do (per-row calibration, a learned map, float32 drafts)."""
+    from scheduler.step_policy import choose_drafts, cut_kept_the_same, keep_bound, raw_cutoff
+
+    rng = np.random.default_rng(seed)
+    p64, lengths, prices, cal, acc, _ = _random_step(rng)
+    rows = lengths.shape[0]
+    bound = keep_bound(rows, *prices)
+    p32 = p64.astype(np.float32)
+    full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths)
+    for theta in (bound * rng.uniform(1.0, 4.0), rng.uniform(0.0, 1.0)):
+        cut = raw_cutoff(theta, cal, acc.curve())
+        short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(rows)])
+        peak = {}
+        kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
+        if cut_kept_the_same(theta, bound, prices[2], peak):
+            assert kept.tolist() == full.tolist()
+
+
+def test_the_guess_check_passes_often_and_refuses_when_the_cut_lost_kept_tokens():
+    from scheduler.step_policy import choose_drafts, cut_kept_the_same, keep_bound, raw_cutoff
+
+    passed = refused_right = lost = 0
+    for seed in range(300):
+        rng = np.random.default_rng(seed)
+        p64, lengths, prices, cal, acc, _ = _random_step(rng)
+        rows = lengths.shape[0]
+        bound = keep_bound(rows, *prices)
+        p32 = p64.astype(np.float32)
+        whole = {}
+        full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths, peak=whole)
+        theta = max(bound, 0.9 * prices[2] * whole["rate"])  # a guess near the keep threshold, as the last step's
+        cut = raw_cutoff(theta, cal, acc.curve())
+        short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(rows)])
+        peak = {}
+        kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
+        ok = cut_kept_the_same(theta, bound, prices[2], peak)
+        passed += ok and short.sum() < lengths.sum() and full.sum() > 0 and theta > bound
+        if kept.tolist() != full.tolist():
+            lost += 1
+            refused_right += not ok
+    assert passed >= 40 and lost > 0 and refused_right == lost
