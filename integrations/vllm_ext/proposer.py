@@ -49,8 +49,9 @@ of :mod:`scheduler.budgets` that run in the proposer):
 
 The cost model (:class:`scheduler.cost_model.CostModel`) is fitted online from the engine's own
 step times (the interval between consecutive ``propose`` calls over pure decode steps), or fixed
-with ``c_base``/``c_tok`` (seconds; then no plain step is forced to re-measure the plain price). Until it is fitted, ``cost`` and ``eq7`` draft as ``fixed``,
-which also spreads the step sizes the fit needs. The length history behind ``class`` and ``eq7``
+with ``c_base``/``c_tok`` (seconds; then no plain step is forced to re-measure the plain price).
+Until it is fitted, ``cost`` and ``eq7`` draft as ``fixed``, which also spreads the step sizes
+the fit needs. The length history behind ``class`` and ``eq7``
 is the lengths of the rollouts this proposer saw finish, added at each ``begin_iteration``.
 
 Step log: with the environment variable ``DAS_STEP_LOG`` set to a file path, every clean decode
@@ -461,7 +462,7 @@ class DASProposer:
             self.stats.skipped_steps += 1
             self._skipped_run += 1
             budgets[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
-        cut = self._cutoff(rows, prices, cal, values)
+        cut = self._cutoff(rows, prices, cal, values) if budgets.any() else None
         peak: dict = {}
         tokens, probs, lengths = self._speculate(live, budgets, req_ids, None if cut is None else cut.raw)
         keep = self._step_budget(probs, lengths, prices, cal, values, peak)
