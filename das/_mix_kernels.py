@@ -583,13 +583,14 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
 
 
 @njit(cache=True)
-def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
               dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook):
     """Context-mixing drafts for every row (see the module docstring): request ``handles[r]``
     drafts up to ``budgets[r]`` tokens from its problem tree (prior ``tprior[tree]``), its request
     tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
-    Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and ``out_len[r]``, and
-    for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
+    Row ``r``'s draft stops before its path probability falls below ``min_probs[r]`` (float64,
+    one per row). Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and
+    ``out_len[r]``, and for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
     ``dset[h, :k]``, support profiles ``dsup[h, :k]``, ``dk[h] = k``, the context's last token
     ``dprev[h]``. ``outcomes``: ``float64[4, OUTCOME_SLOTS, 2]`` (accepted, drafted) per token id,
     per (previous token, token) pair and per support profile (its first :data:`SUPPORT_ROWS`
@@ -600,12 +601,12 @@ def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     scope's loci are looked up from the root (:func:`_context_loci`) instead of read from the
     request's live sequence there (which lags the context when the drafter defers its appends
     to the global tree). One thread."""
-    _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+    _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
               dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, np.zeros(1, np.int64))
 
 
 @njit(cache=True, parallel=True)
-def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob,
+def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob,
                        out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
     batches its rows. Each part claims the next undrafted row from a shared counter
@@ -615,12 +616,12 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
     distinct (the caller checks)."""
     claim = np.zeros(1, np.int64)
     for _p in prange(parts):
-        _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+        _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
                   dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim)
 
 
 @njit(cache=True)
-def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_prob, D, wt, out_tok, out_prob, out_len,
+def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
               dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim):
     """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
     (``int64[1]``, from 0, shared by the parts; alone, a part takes every row in order) until
@@ -689,7 +690,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
                     nl[2] = _seq_loci(addr[2], ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
             prev = _last_token(addr[0], sl)
             dprev[h] = prev
-            k = _mix(addr, tix, priors, lu, ld, lL, nl, m, wt, min_prob, out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
+            k = _mix(addr, tix, priors, lu, ld, lL, nl, m, wt, min_probs[r], out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
                      totr, totp, feat, only, topn, kids, cand, sums, cnts, outcomes, prev, srange, dsup[h], stop)
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]

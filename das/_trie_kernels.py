@@ -1190,29 +1190,31 @@ def _add_row(trees, ri, rw, h, tokens, starts, ends, r):
 
 
 @njit(cache=True)
-def draft_batch(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob,
+def draft_batch(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob,
                 out_len):
     """:func:`draft_two_trees` for every row: request ``handles[r]`` drafts up to ``budgets[r]`` tokens
     (``<= out_tok.shape[1]``) from its problem tree (prior ``tprior[tree]``) and its request tree
     (prior ``req_prior``), the higher score wins (ties: the problem tree). Writes the draft to
     ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest of the row: -1 / 0.0) and ``k`` to
-    ``out_len[r]``. ``max_depth``: the trees' (the largest, if they differ). One thread."""
-    _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob, out_len, 0, 1)
+    ``out_len[r]``. Row ``r``'s draft stops before its path probability falls below
+    ``min_probs[r]`` (float64, one per row). ``max_depth``: the trees' (the largest, if they
+    differ). One thread."""
+    _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob, out_len, 0, 1)
 
 
 @njit(cache=True, parallel=True)
-def draft_batch_parallel(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob,
+def draft_batch_parallel(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob,
                          out_len, parts):
     """:func:`draft_batch` on ``parts`` threads (numba's ``prange``): part ``p`` drafts rows ``p, p +
     parts, ...``, each part with its own scratch arrays. Rows only read the trees and write their
     own output row, so the drafts are the same as on one thread."""
     for p in prange(parts):
-        _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob, out_len,
+        _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob, out_len,
                     p, parts)
 
 
 @njit(cache=True)
-def _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor, max_depth, out_tok, out_prob, out_len,
+def _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob, out_len,
                 first, stride):
     """:func:`draft_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
     width = out_tok.shape[1]
@@ -1244,7 +1246,7 @@ def _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_prob, factor
                 else:
                     mb = ma
                     sb = -1
-                off, k, score, mlen = _draft_two_trees_with_scratch(ma, sa, pa, mb, sb, req_prior, m, min_prob, factor, st,
+                off, k, score, mlen = _draft_two_trees_with_scratch(ma, sa, pa, mb, sb, req_prior, m, min_probs[r], factor, st,
                                                                     sp, lu, ld, scr)
                 for j in range(k):
                     out_tok[r, j] = st[off + j]

@@ -376,6 +376,7 @@ class DASDrafter:
         # speculate()'s one-row call of the mix kernel: handle, budget, tokens, probs, length (reused)
         self._one = (np.zeros(1, np.int64), np.zeros(1, np.int64), np.empty((1, 16), np.int32), np.empty((1, 16), np.float32),
                      np.zeros(1, np.int64))
+        self._one_min_prob = np.full(1, self.min_token_prob)  # its cutoff (the kernels take one per row)
         # what the batch kernels read (see the module docstring and das._trie_kernels)
         self._tab = _TreeTable()
         self._handles: dict[Hashable, int] = {}  # live request id -> handle
@@ -752,7 +753,8 @@ class DASDrafter:
             handle, budget, tokens, probs, length = one
             handle[0] = req.h
             budget[0] = max_tokens
-            self._mix_drafts(handle, budget, max_tokens, self.min_token_prob, tokens, probs, length, 1)
+            self._one_min_prob[0] = self.min_token_prob
+            self._mix_drafts(handle, budget, max_tokens, self._one_min_prob, tokens, probs, length, 1)
             k = int(length[0])
             if k == 0:
                 return empty_draft()
@@ -992,7 +994,7 @@ class DASDrafter:
         else:
             req.tree.extend(req.tree_seq, seg[done:])
 
-    def speculate_batch(self, req_ids: Sequence[Hashable], budgets, min_prob: float | None = None) -> DraftBatch:
+    def speculate_batch(self, req_ids: Sequence[Hashable], budgets, min_prob: float | np.ndarray | None = None) -> DraftBatch:
         """Draft for many live requests in one call: row ``r`` gets up to ``budgets[r]`` tokens
         for request ``req_ids[r]``.
 
@@ -1004,7 +1006,8 @@ class DASDrafter:
             budgets: 1-D integer array of ``len(req_ids)``, draft tokens per row, each ``>= 0``
                 (0: no draft for that row).
             min_prob: float in ``[0, 1]``, this call's ``min_token_prob`` (drafts stop before
-                their path probability falls below it); None: the drafter's. With the ``mix``
+                their path probability falls below it), or a 1-D float array of ``len(req_ids)``
+                such cutoffs, one per row; None: the drafter's. With the ``mix``
                 chooser a cutoff that stops a draft before tokens the engine would verify means
                 fewer outcomes to learn from (the token after the verified prefix is learned from
                 only if it was drafted or stopped before); one at or below the last token the
@@ -1019,14 +1022,14 @@ class DASDrafter:
         Raises:
             KeyError: an id that is not a live request.
             ValueError: ``budgets`` of the wrong shape or dtype, or a negative budget (the
-                message names the row and the value); ``min_prob`` outside ``[0, 1]``.
+                message names the row and the value); ``min_prob`` outside ``[0, 1]`` (the
+                message names the row), or an array of the wrong shape.
         """
         self._join_global()  # a background append still running (two drafts in a row)
         handles = self._handles_of(req_ids)
         rows = handles.shape[0]
         budgets = _row_vector(budgets, "budgets", rows)
-        mp = self.min_token_prob if min_prob is None else _float_arg(min_prob, "min_prob", "a number in [0, 1]",
-                                                                     lambda f: 0.0 <= f <= 1.0)
+        mp = _min_probs(self.min_token_prob if min_prob is None else min_prob, rows)
         kmax = 0
         if rows:
             if int(budgets.min()) < 0:
@@ -1049,14 +1052,15 @@ class DASDrafter:
         self._start_deferred()
         return DraftBatch(tokens, probs, lengths)
 
-    def _mix_drafts(self, handles, budgets, kmax: int, min_prob: float, tokens, probs, lengths, parts: int,
+    def _mix_drafts(self, handles, budgets, kmax: int, min_probs: np.ndarray, tokens, probs, lengths, parts: int,
                     mix_kernels=mixing) -> None:
         """The ``mix`` kernel for these rows on ``parts`` threads: writes ``tokens`` / ``probs`` /
-        ``lengths`` and the rows' pending drafts (``kmax``: the largest budget). ``mix_kernels``:
+        ``lengths`` and the rows' pending drafts (``kmax``: the largest budget; ``min_probs``:
+        float64, each row's cutoff). ``mix_kernels``:
         the module of the kernels (another version of it in ``benchmarks.kernel_pair``)."""
         if kmax > self._dtok.shape[1]:
             self._grow_pending(kmax)
-        args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handles, budgets, min_prob,
+        args = (self._tab.bufs, self._ri, self._tab.prior, self.prior, self._gti, self.prior, handles, budgets, min_probs,
                 self.max_depth, self._wt, tokens, probs, lengths, self._dtok, self._dx, self._dset, self._dk, self._outcomes,
                 self._dprev, self._dsup, self._dstop, self.defer_global)  # self._gti: -1 without a global tree
         if parts > 1:
@@ -1385,6 +1389,19 @@ def _int_arg(x, name: str, lo: int | None = None, hi: int | None = None) -> int:
     if hi is not None and x > hi:
         raise ValueError(f"{name} must be <= {hi}, got {x}")
     return x
+
+
+def _min_probs(min_prob, rows: int) -> np.ndarray:
+    """A call's cutoffs as ``float64[rows]``: a number in [0, 1] for every row, or one per row."""
+    if isinstance(min_prob, np.ndarray):
+        a = np.ascontiguousarray(min_prob, dtype=np.float64)  # one array type for the kernels: no second compile
+        if a.shape != (rows,):
+            raise ValueError(f"min_prob must be a number or have shape ({rows},) (one per request id), got {a.shape}")
+        bad = np.flatnonzero(~((a >= 0.0) & (a <= 1.0)))
+        if bad.shape[0]:
+            raise ValueError(f"min_prob[{int(bad[0])}] must be a number in [0, 1], got {float(a[bad[0]])!r}")
+        return a
+    return np.full(rows, _float_arg(min_prob, "min_prob", "a number in [0, 1]", lambda f: 0.0 <= f <= 1.0))
 
 
 def _float_arg(x, name: str, expected: str, ok) -> float:

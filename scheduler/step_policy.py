@@ -177,51 +177,85 @@ def keep_bound(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float
     return rows * max(0.0, per_draft_s - max(0.0, plain_s - spec_base_s)) / plain_s
 
 
-def raw_cutoff(theta: float, calibration: float | np.ndarray = 1.0, curve: tuple[np.ndarray, np.ndarray] | None = None) -> float:
-    """The raw path probability below which every calibrated probability is at most ``theta``.
+def keep_bounds(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, values: np.ndarray | None = None) -> float | np.ndarray:
+    """:func:`keep_bound`, per row where the rule has one: the saving rule keeps a token of row
+    ``r`` only if ``p v_r > per_draft_s``, so ``per_draft_s / v_r`` (float ``[rows]``, ``inf``
+    where ``v_r`` is 0); the throughput rule's bound is one for all rows (a float).
 
-    The selection's calibrated probability is ``min(1, prob_map(raw) * calibration[row])`` with
-    ``prob_map`` non-decreasing, so raw probabilities up to the largest ``x`` with
-    ``prob_map(x) * max(calibration) <= theta`` lie at or below ``theta`` on every row.
+    Raises:
+        ValueError: as :func:`keep_bound`.
+    """
+    bound = keep_bound(rows, plain_s, spec_base_s, per_draft_s, values)
+    if values is None:
+        return bound
+    v = np.asarray(values, np.float64)
+    with np.errstate(divide="ignore"):
+        return np.where(v > 0, per_draft_s / np.where(v > 0, v, 1.0), np.inf)
+
+
+def raw_cutoffs(theta: float | np.ndarray, calibration: float | np.ndarray = 1.0,
+                curve: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Per row, the raw path probability below which the row's calibrated probabilities are at
+    most ``theta`` (the row's own, when ``theta`` is an array).
+
+    The selection's calibrated probability of row ``r`` is ``min(1, prob_map(raw) *
+    calibration[r])`` with ``prob_map`` non-decreasing, so raw probabilities up to the largest
+    ``x`` with ``prob_map(x) * calibration[r] <= theta[r]`` lie at or below ``theta[r]``.
 
     Args:
-        theta: calibrated probability (>= 0; ``inf`` allowed).
-        calibration: scalar or ``[rows]`` factors, as for :func:`choose_drafts`.
+        theta: calibrated probability, scalar or float ``[rows]`` (>= 0; ``inf`` allowed).
+        calibration: scalar or float ``[rows]`` factors, as for :func:`choose_drafts`.
         curve: ``(xs, ys)`` float arrays, the points of ``prob_map`` (piecewise linear, ``xs``
             increasing from 0 to 1, ``ys`` non-decreasing, as
             :meth:`scheduler.calibration.AcceptanceCalibration.curve` gives); None: identity.
 
     Returns:
-        float in ``[0, 1]``, a hair (1e-6 relative) below that ``x``, so that float32 rounding of
-        a drafter's float64 probabilities cannot cross it; 1.0 when no calibrated probability
-        can exceed ``theta``.
+        float64 array (the broadcast shape of ``theta`` and ``calibration``) in ``[0, 1]``, each a
+        hair (1e-6 relative) below that ``x``, so that float32 rounding of a drafter's float64
+        probabilities cannot cross it; 1.0 where no calibrated probability can exceed ``theta``.
 
     Raises:
         ValueError: a negative or non-finite calibration, a negative ``theta``.
     """
     cal = np.asarray(calibration, np.float64)
+    th = np.asarray(theta, np.float64)
     if np.any(cal < 0) or not np.all(np.isfinite(cal)):
         raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
-    if not theta >= 0:
+    if np.any(~(th >= 0)):
         raise ValueError(f"theta must be >= 0, got {theta!r}")
-    top = float(cal.max()) if cal.size else 0.0
-    if theta == 0:
-        return 0.0
-    if top <= 0 or theta >= 1.0:
-        return 1.0  # no calibrated probability exceeds theta
-    target = theta / top  # prob_map(x) at or below it: at most theta on every row
+    th, cal = np.broadcast_arrays(th, cal)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        target = np.where(cal > 0, th / np.where(cal > 0, cal, 1.0), np.inf)  # prob_map(x) at or below it
     if curve is None:
         x = target
     else:
         xs, ys = (np.asarray(a, np.float64) for a in curve)
-        above = np.flatnonzero(ys > target)
-        if not above.shape[0]:
-            return 1.0
-        j = int(above[0])
-        if j == 0:
-            return 0.0
-        x = xs[j - 1] + (target - ys[j - 1]) * (xs[j] - xs[j - 1]) / (ys[j] - ys[j - 1])
-    return float(min(max(x * (1.0 - 1e-6), 0.0), 1.0))
+        j = np.searchsorted(ys, target, side="right")  # the first knot above the target (ys non-decreasing)
+        inside = (j > 0) & (j < ys.shape[0])
+        jj = np.clip(j, 1, ys.shape[0] - 1)
+        rise = ys[jj] - ys[jj - 1]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            x = xs[jj - 1] + (target - ys[jj - 1]) * (xs[jj] - xs[jj - 1]) / np.where(rise > 0, rise, 1.0)
+        x = np.where(inside, x, np.where(j == 0, 0.0, np.inf))
+    out = np.clip(x * (1.0 - 1e-6), 0.0, 1.0)
+    out = np.where((th >= 1.0) | ~np.isfinite(x), 1.0, out)  # nothing calibrated can exceed theta
+    return np.where(th == 0, 0.0, out)
+
+
+def raw_cutoff(theta: float, calibration: float | np.ndarray = 1.0, curve: tuple[np.ndarray, np.ndarray] | None = None) -> float:
+    """The raw path probability below which every row's calibrated probability is at most
+    ``theta``: :func:`raw_cutoffs` at the largest calibration factor.
+
+    Returns:
+        float in ``[0, 1]``; 1.0 when no calibrated probability can exceed ``theta``.
+
+    Raises:
+        ValueError: as :func:`raw_cutoffs`.
+    """
+    cal = np.asarray(calibration, np.float64)
+    if np.any(cal < 0) or not np.all(np.isfinite(cal)):
+        raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
+    return float(raw_cutoffs(theta, float(cal.max()) if cal.size else 0.0, curve))
 
 
 def never_kept_below(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, calibration: float | np.ndarray = 1.0,

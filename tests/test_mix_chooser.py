@@ -645,3 +645,32 @@ def test_a_draft_stopped_at_the_steps_cut_learns_what_a_draft_cut_by_the_engine_
     assert kept_tokens > 200 and cut_tokens > 200  # the engine kept drafts, and the cut saved drafting
     for d in (deep, cut_short):
         d.close()
+
+
+@pytest.mark.parametrize("chooser", ["mix", "walk"])
+def test_a_min_prob_per_row_stops_each_row_at_its_own_cutoff(chooser):
+    """``speculate_batch(..., min_prob=array)`` gives each row its own cutoff: every row drafts
+    what a call with that row's cutoff for all rows drafts; a wrong shape or a value out of
+    [0, 1] is refused, naming the row."""
+    def fresh():
+        d = DASDrafter(chooser=chooser, global_rollouts=0)
+        for i in range(6):
+            d.add_rollout(PROMPT, [7, 8 + i % 2, 9, 10 + i % 3, 11, 12 + i % 2, 13, 14 + i % 3, 15])
+        for r in ("a", "b", "c"):
+            d.start_request(r, PROMPT)
+            d.add_tokens(r, [7])
+        return d
+
+    cuts = np.array([0.02, 0.5, 0.1])
+    got = fresh().speculate_batch(["a", "b", "c"], [16, 16, 16], min_prob=cuts)
+    for r, cut in enumerate(cuts):
+        want = fresh().speculate_batch(["a", "b", "c"], [16, 16, 16], min_prob=float(cut))
+        n = int(want.lengths[r])
+        assert int(got.lengths[r]) == n
+        np.testing.assert_array_equal(got.tokens[r, :n], want.tokens[r, :n])
+    assert got.lengths[0] > got.lengths[1]
+    d = fresh()
+    with pytest.raises(ValueError, match=r"min_prob must be a number or have shape \(3,\)"):
+        d.speculate_batch(["a", "b", "c"], [4, 4, 4], min_prob=np.array([0.1, 0.2]))
+    with pytest.raises(ValueError, match=r"min_prob\[1\] must be a number in \[0, 1\], got 1.5"):
+        d.speculate_batch(["a", "b", "c"], [4, 4, 4], min_prob=np.array([0.1, 1.5, 0.2]))

@@ -190,3 +190,39 @@ def test_the_guess_check_passes_often_and_refuses_when_the_cut_lost_kept_tokens(
             lost += 1
             refused_right += not ok
     assert passed >= 40 and lost > 0 and refused_right == lost
+
+
+@pytest.mark.parametrize("seed", range(300))
+def test_drafts_cut_per_row_keep_the_same_tokens(seed):
+    """Each row cut at its own :func:`raw_cutoffs` (its own calibration factor; under the saving
+    rule its own value too) keeps what the full drafts keep, and cuts at least as much as the one
+    cutoff of the largest factor."""
+    from scheduler.step_policy import choose_drafts, keep_bounds, never_kept_below, raw_cutoffs
+
+    rng = np.random.default_rng(seed)
+    p64, lengths, prices, cal, acc, values = _random_step(rng)
+    rows = lengths.shape[0]
+    cuts = raw_cutoffs(keep_bounds(rows, *prices, values), cal, acc.curve())
+    assert cuts.shape == (rows,) and np.all((cuts >= 0) & (cuts <= 1))
+    assert np.all(cuts >= never_kept_below(rows, *prices, cal, acc.curve(), values) - 1e-12)
+    short = np.array([int(np.sum(p64[r, : lengths[r]] >= cuts[r])) for r in range(rows)])
+    p32 = p64.astype(np.float32)
+    full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
+    assert choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=short).tolist() == full.tolist()
+
+
+def test_raw_cutoffs_invert_the_calibration_row_by_row():
+    from scheduler.calibration import AcceptanceCalibration
+    from scheduler.step_policy import raw_cutoff, raw_cutoffs
+
+    acc = AcceptanceCalibration()
+    acc.observe(np.linspace(0.05, 0.95, 200), np.arange(200) % 3 != 0)
+    cal = np.array([0.5, 1.0, 2.0, 0.0])
+    cuts = raw_cutoffs(0.3, cal, acc.curve())
+    assert cuts[0] > cuts[1] > cuts[2] and cuts[3] == 1.0  # a row that calibrates lower is cut higher; a zero factor: all
+    for c, x in zip(cal[:3], cuts[:3]):
+        assert acc(np.array([x]))[0] * c == pytest.approx(0.3, rel=1e-4)  # just below theta once calibrated
+    assert raw_cutoff(0.3, cal, acc.curve()) == pytest.approx(cuts[2])  # one cutoff: the largest factor's
+    assert raw_cutoffs(np.array([0.0, 1.0, np.inf]), 1.0, acc.curve()).tolist() == [0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="theta"):
+        raw_cutoffs(-0.1, cal)

@@ -34,10 +34,11 @@ of :mod:`scheduler.budgets` that run in the proposer):
   verification under ``t_step = c_base + c_tok * n_tokens`` (:mod:`scheduler.step_policy`), with
   the drafter's probabilities calibrated online, per probability bin, against the tokens actually
   accepted (:class:`scheduler.calibration.AcceptanceCalibration`; ``snapshot()["reliability"]``).
-  The drafter stops each draft where the step's prices would cut it anyway (below
-  :func:`scheduler.step_policy.keep_bound`, or near the last step's keep threshold, checked after
-  the selection: :meth:`DASProposer._cutoff`): the same drafts reach the engine, for fewer
-  drafter lookups (``ProposerStats.cut_steps`` and ``recut_steps`` count those steps).
+  The drafter stops each row's draft where the step's prices would cut it anyway (below
+  :func:`scheduler.step_policy.keep_bound` at the row's own calibration, or near the last step's
+  keep threshold, checked after the selection: :meth:`DASProposer._cutoff`): the same drafts
+  reach the engine, for fewer drafter lookups (``ProposerStats.cut_steps`` and ``recut_steps``
+  count those steps).
 - ``"makespan"``: ``"cost"``, with each row's accepted draft token valued at the time it saves a
   batch that only drains (no request waiting): ``c_row + c_base * q_i``, ``q_i`` the odds that the
   request finishes last given the length predictor's expected remaining length
@@ -88,7 +89,7 @@ from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
 from scheduler.makespan import last_finish_probability, token_values
 from scheduler.regime_cost import TwoRegimeCost
-from scheduler.step_policy import choose_drafts, cut_kept_the_same, drafting_can_pay, keep_bound, raw_cutoff
+from scheduler.step_policy import choose_drafts, cut_kept_the_same, drafting_can_pay, keep_bounds, raw_cutoffs
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +113,12 @@ GUESS_ROWS = 128  # ... in steps of this many rows or more, where that threshold
 
 
 class _Cut(NamedTuple):
-    """Where a priced step's drafts stop: ``raw`` path probability, from the calibrated ``theta``
-    (a guess at or above ``bound``, :func:`scheduler.step_policy.keep_bound`)."""
+    """Where a priced step's drafts stop: ``raw``, float64 ``[rows]`` path probabilities (each
+    row's calibration turns them into its calibrated bound), from the calibrated ``theta`` (the
+    throughput rule: a guess at or above its ``bound``, :func:`scheduler.step_policy.keep_bound`;
+    the saving rule: each row's own bound, ``theta`` and ``bound`` 0)."""
 
-    raw: float
+    raw: np.ndarray
     theta: float
     bound: float
 
@@ -469,9 +472,9 @@ class DASProposer:
         if cut is not None and not cut_kept_the_same(cut.theta, cut.bound, prices[2], peak):
             # the guess cut drafts the selection might have kept: draft again, down to the safe cutoff
             self.stats.recut_steps += 1
-            safe = raw_cutoff(cut.bound, cal, self.acceptance.curve())
+            safe = np.maximum(raw_cutoffs(cut.bound, cal, self.acceptance.curve()), self.drafter.min_token_prob)
             peak = {}
-            tokens, probs, lengths = self._speculate(live, budgets, req_ids, safe if safe > self.drafter.min_token_prob else None)
+            tokens, probs, lengths = self._speculate(live, budgets, req_ids, safe)
             keep = self._step_budget(probs, lengths, prices, cal, values, peak, recount=False)
         if peak.get("tokens"):  # the throughput rule's selection peaked: the next step's guess
             self._keep_rate = peak["rate"]
@@ -504,9 +507,11 @@ class DASProposer:
         """Where this step's drafts may stop (None: at the drafter's own ``min_token_prob``).
 
         A priced step keeps only the draft tokens :func:`choose_drafts` selects; drafting the
-        others costs the drafter's lookups for tokens that are thrown away. None is kept at or
-        below :func:`keep_bound`, so stopping there keeps the same tokens and the same learning
-        (the drafter learns from the token after a cut as from the token it stopped before).
+        others costs the drafter's lookups for tokens that are thrown away. None is kept whose
+        calibrated probability is at or below :func:`keep_bound` (the saving rule: each row's
+        own), so each row stops at the raw probability its own calibration factor maps there
+        (:func:`raw_cutoffs`): the same tokens and the same learning (the drafter learns from the
+        token after a cut as from the token it stopped before).
         The tokens kept end near the last step's keep threshold, ``per_draft_s`` times the rate
         its selection peaked at, well above that bound (1.45x at 256 rows, benchmarks/README.md):
         under the throughput rule, in steps of :data:`GUESS_ROWS` rows or more, the cut is
@@ -519,26 +524,29 @@ class DASProposer:
         another rule: no cutoff there."""
         if self.budget not in PRICED or prices is None or self._exploring:
             return None
-        bound = keep_bound(rows, *prices, values)
+        bound = keep_bounds(rows, *prices, values)
         theta = bound
         if values is None and self._keep_rate is not None and rows >= GUESS_ROWS:
             theta = max(bound, GUESS_SHARE * prices[2] * self._keep_rate)
-        raw = raw_cutoff(theta, cal, self.acceptance.curve())
-        if raw <= self.drafter.min_token_prob:
+        raw = raw_cutoffs(theta, cal, self.acceptance.curve())  # each row's own calibration: its own cutoff
+        if not (raw > self.drafter.min_token_prob).any():
             return None
         self.stats.cut_steps += 1
-        return _Cut(raw, theta, bound)
+        if values is not None:
+            theta = bound = 0.0  # per-row bounds, no guess: nothing to check after the selection
+        return _Cut(np.maximum(raw, self.drafter.min_token_prob), theta, bound)
 
     def _speculate(self, live: np.ndarray, budgets: np.ndarray, req_ids: list,
-                   min_prob: float | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                   min_prob: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every drafting row's draft from one batched drafter call: ``(tokens int32[rows, K], probs
-        float32[rows, K], lengths int64[rows])``, length 0 for rows that do not draft; drafts stop
-        below ``min_prob`` (None: the drafter's ``min_token_prob``)."""
+        float32[rows, K], lengths int64[rows])``, length 0 for rows that do not draft; row ``r``'s
+        draft stops below ``min_prob[r]`` (None: the drafter's ``min_token_prob``)."""
         rows = live.shape[0]
         sub = np.flatnonzero(live & (budgets > 0))
         if not sub.shape[0]:
             return np.empty((rows, 0), np.int32), np.empty((rows, 0), np.float32), np.zeros(rows, np.int64)
-        found = self.drafter.speculate_batch([req_ids[row] for row in sub.tolist()], budgets[sub], min_prob)
+        found = self.drafter.speculate_batch([req_ids[row] for row in sub.tolist()], budgets[sub],
+                                             None if min_prob is None else min_prob[sub])
         if sub.shape[0] == rows:
             return found.tokens, found.probs, found.lengths
         tokens = np.full((rows, found.tokens.shape[1]), -1, np.int32)
