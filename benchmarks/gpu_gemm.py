@@ -22,7 +22,6 @@ import argparse
 import json
 import sys
 import time
-from pathlib import Path
 
 HIDDEN, MLP, LAYERS, KV_HEADS, HEAD_DIM, VOCAB = 3584, 18944, 28, 4, 128, 152064
 DEFAULT_TOKENS = (16, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096)
@@ -86,9 +85,9 @@ def main(argv=None) -> int:
         return 2
     report = measure(tokens, args.repeats)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(report, indent=1))
-        print(f"wrote {args.json}")
+        from integrations.results import write_atomic
+
+        print(f"wrote {write_atomic(args.json, json.dumps(report, indent=1))}")
     return 0
 
 
