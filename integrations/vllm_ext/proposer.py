@@ -472,9 +472,8 @@ class DASProposer:
         if cut is not None and not cut_kept_the_same(cut.theta, cut.bound, prices[2], peak):
             # the guess cut drafts the selection might have kept: draft again, down to the safe cutoff
             self.stats.recut_steps += 1
-            safe = np.maximum(raw_cutoffs(cut.bound, cal, self.acceptance.curve()), self.drafter.min_token_prob)
             peak = {}
-            tokens, probs, lengths = self._speculate(live, budgets, req_ids, safe)
+            tokens, probs, lengths = self._speculate(live, budgets, req_ids, self._row_cutoffs(cut.bound, cal))
             keep = self._step_budget(probs, lengths, prices, cal, values, peak, recount=False)
         if peak.get("tokens"):  # the throughput rule's selection peaked: the next step's guess
             self._keep_rate = peak["rate"]
@@ -528,13 +527,18 @@ class DASProposer:
         theta = bound
         if values is None and self._keep_rate is not None and rows >= GUESS_ROWS:
             theta = max(bound, GUESS_SHARE * prices[2] * self._keep_rate)
-        raw = raw_cutoffs(theta, cal, self.acceptance.curve())  # each row's own calibration: its own cutoff
+        raw = self._row_cutoffs(theta, cal)
         if not (raw > self.drafter.min_token_prob).any():
             return None
         self.stats.cut_steps += 1
         if values is not None:
             theta = bound = 0.0  # per-row bounds, no guess: nothing to check after the selection
-        return _Cut(np.maximum(raw, self.drafter.min_token_prob), theta, bound)
+        return _Cut(raw, theta, bound)
+
+    def _row_cutoffs(self, theta: float | np.ndarray, cal: np.ndarray) -> np.ndarray:
+        """float64 ``[rows]``: where each row's draft stops for a calibrated bound ``theta`` (its own
+        calibration factor's :func:`raw_cutoffs`), never below the drafter's ``min_token_prob``."""
+        return np.maximum(raw_cutoffs(theta, cal, self.acceptance.curve()), self.drafter.min_token_prob)
 
     def _speculate(self, live: np.ndarray, budgets: np.ndarray, req_ids: list,
                    min_prob: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
