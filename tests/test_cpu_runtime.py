@@ -56,3 +56,18 @@ def test_kv_cache_follows_memory_and_bad_overrides_are_named():
         decide(AVX2_AMD, env={"VLLM_CPU_KVCACHE_SPACE": "lots"})
     with pytest.raises(ValueError, match="dtype"):
         decide(AVX2_AMD, dtype="int8", env={})
+
+
+def test_a_users_dtype_equal_to_the_decided_one_is_reported_as_the_users(monkeypatch):
+    from integrations.vllm_ext import cpu_runtime
+
+    monkeypatch.setattr(cpu_runtime, "_SETTINGS", {})
+    monkeypatch.setattr(cpu_runtime, "read_cpu_info", lambda: AMX_INTEL)
+    monkeypatch.setattr(cpu_runtime, "calibrate", lambda info: None)
+    for key in ("DAS_IOMP", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(key, raising=False)
+    decided = cpu_runtime.settings()
+    assert decided.dtype == "bfloat16" and "native bf16" in decided.reasons["dtype"]
+    asked = cpu_runtime.settings("bfloat16")  # after the decided one: not its cached reasons
+    assert asked.dtype == "bfloat16" and asked.reasons["dtype"] == "set by the user"
+    assert cpu_runtime.settings() is decided

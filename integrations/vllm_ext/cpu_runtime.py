@@ -242,16 +242,17 @@ def calibrate(info: CpuInfo, *, budget_s: float = 0.25, use_cache: bool = True) 
     return result
 
 
-_SETTINGS: RuntimeSettings | None = None
+_SETTINGS: dict[str | None, RuntimeSettings] = {}  # by the dtype asked for (None: decided)
 
 
 def settings(dtype: str | None = None) -> RuntimeSettings:
-    """This process's settings (decided once, with the cached calibration; ``dtype`` as :func:`decide`)."""
-    global _SETTINGS
-    if _SETTINGS is None or (dtype is not None and _SETTINGS.dtype != dtype):
+    """This process's settings (decided once per ``dtype`` asked for, with the cached calibration;
+    ``dtype`` as :func:`decide`). Keyed by the request, not the result, so a user's dtype that
+    matches the decided one is still reported as the user's."""
+    if dtype not in _SETTINGS:
         info = read_cpu_info()
-        _SETTINGS = decide(info, calibrate(info), dtype=dtype)
-    return _SETTINGS
+        _SETTINGS[dtype] = decide(info, calibrate(info), dtype=dtype)
+    return _SETTINGS[dtype]
 
 
 def is_cpu_build() -> bool:
