@@ -61,7 +61,8 @@ def test_kv_cache_follows_memory_and_bad_overrides_are_named():
 def test_a_users_dtype_equal_to_the_decided_one_is_reported_as_the_users(monkeypatch):
     from integrations.vllm_ext import cpu_runtime
 
-    monkeypatch.setattr(cpu_runtime, "_SETTINGS", {})
+    monkeypatch.setattr(cpu_runtime, "_SETTINGS", None)
+    monkeypatch.setattr(cpu_runtime, "_ASKED", None)
     monkeypatch.setattr(cpu_runtime, "read_cpu_info", lambda: AMX_INTEL)
     monkeypatch.setattr(cpu_runtime, "calibrate", lambda info: None)
     for key in ("DAS_IOMP", "VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
@@ -70,4 +71,5 @@ def test_a_users_dtype_equal_to_the_decided_one_is_reported_as_the_users(monkeyp
     assert decided.dtype == "bfloat16" and "native bf16" in decided.reasons["dtype"]
     asked = cpu_runtime.settings("bfloat16")  # after the decided one: not its cached reasons
     assert asked.dtype == "bfloat16" and asked.reasons["dtype"] == "set by the user"
-    assert cpu_runtime.settings() is decided
+    assert cpu_runtime.settings() is asked  # the process's settings: the last asked for
+    assert cpu_runtime.settings("bfloat16") is asked  # decided once per dtype asked for

@@ -242,17 +242,21 @@ def calibrate(info: CpuInfo, *, budget_s: float = 0.25, use_cache: bool = True) 
     return result
 
 
-_SETTINGS: dict[str | None, RuntimeSettings] = {}  # by the dtype asked for (None: decided)
+_SETTINGS: RuntimeSettings | None = None
+_ASKED: str | None = None  # the dtype _SETTINGS was decided for (None: decided from the CPU)
 
 
 def settings(dtype: str | None = None) -> RuntimeSettings:
-    """This process's settings (decided once per ``dtype`` asked for, with the cached calibration;
-    ``dtype`` as :func:`decide`). Keyed by the request, not the result, so a user's dtype that
-    matches the decided one is still reported as the user's."""
-    if dtype not in _SETTINGS:
+    """This process's settings, with the cached calibration (``dtype`` as :func:`decide`).
+    Decided on the first call and again whenever a call asks for another dtype than the one
+    they were decided for; a call without one returns the current settings. A user's dtype
+    equal to the decided one is decided again, so that it is reported as the user's."""
+    global _SETTINGS, _ASKED
+    if _SETTINGS is None or (dtype is not None and dtype != _ASKED):
         info = read_cpu_info()
-        _SETTINGS[dtype] = decide(info, calibrate(info), dtype=dtype)
-    return _SETTINGS[dtype]
+        _SETTINGS = decide(info, calibrate(info), dtype=dtype)
+        _ASKED = dtype
+    return _SETTINGS
 
 
 def is_cpu_build() -> bool:
