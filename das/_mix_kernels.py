@@ -116,6 +116,7 @@ from das._trie_kernels import (
     _find_locus,
     _hash_slot,
     address_of,
+    borrow,
     fetch_add,
     prefetch,
     views_at,
@@ -626,7 +627,6 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
     (``int64[1]``, from 0, shared by the parts; alone, a part takes every row in order) until
     every row is taken. With its own scratch arrays."""
-    width = out_tok.shape[1]
     lu = np.empty((NT, D + 1), np.int64)
     ld = np.empty((NT, D + 1), np.int64)
     lL = np.empty((NT, D + 1), np.int64)
@@ -647,6 +647,24 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     cnts = np.empty(NIN, np.float64)
     stop = np.empty(1, np.int64)
     srange = np.empty(2, np.float64)  # the support table's range of inputs (bounds any candidate's)
+    # every array borrowed (das._trie_kernels.borrow): numba counts a reference, atomically,
+    # whenever a variable or an inlined helper's parameter takes an array (several times per locus
+    # in _mix; both threads count on the shared weights' and tables' counters). These arrays
+    # outlive the call: the arguments are the caller's, the scratch arrays this function's.
+    _mix_rows_borrowed(trees, borrow(ri), borrow(tprior), req_prior, gti, gprior, borrow(handles), borrow(budgets),
+                       borrow(min_probs), borrow(wt), borrow(out_tok), borrow(out_prob), borrow(out_len), borrow(dtok),
+                       borrow(dx), borrow(dset), borrow(dk), borrow(outcomes), borrow(dprev), borrow(dsup), borrow(dstop),
+                       glook, borrow(claim), borrow(lu), borrow(ld), borrow(lL), borrow(nl), borrow(tix), borrow(addr),
+                       borrow(priors), borrow(tops), borrow(topc), borrow(totr), borrow(totp), borrow(feat), borrow(only),
+                       borrow(topn), borrow(kids), borrow(cand), borrow(sums), borrow(cnts), borrow(stop), borrow(srange))
+
+
+@njit(cache=True)
+def _mix_rows_borrowed(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, wt, out_tok, out_prob,
+                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim, lu, ld, lL, nl, tix, addr,
+                       priors, tops, topc, totr, totp, feat, only, topn, kids, cand, sums, cnts, stop, srange):
+    """:func:`_mix_rows`'s row loop, on borrowed arrays (:func:`borrow`)."""
+    width = out_tok.shape[1]
     srange[0] = -1e300
     srange[1] = 1e300
     for i in range(SUPPORT_ROWS):

@@ -66,6 +66,7 @@ from __future__ import annotations
 import numpy as np
 from llvmlite import ir
 from numba import carray, njit, prange, types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 TOKEN_BITS = 20
@@ -207,6 +208,32 @@ def address_of(typingctx, arr):
     def codegen(context, builder, signature, args):
         ary = context.make_array(signature.args[0])(context, builder, args[0])
         return builder.ptrtoint(ary.data, ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def borrow(typingctx, arr):
+    """``borrow(arr)``: a view of ``arr`` without a reference count (a null meminfo). numba counts
+    references to an array whenever a variable takes it, an inlined helper included, and each
+    count is an atomic operation; on a borrowed view the count is a test of a null pointer.
+    Valid while ``arr`` is alive: pass it to a call whose caller holds ``arr``; never return it."""
+    if not isinstance(arr, types.Array):
+        return None
+    sig = arr(arr)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        src = context.make_array(aryty)(context, builder, args[0])
+        dst = context.make_array(aryty)(context, builder)
+        dst.meminfo = cgutils.get_null_value(dst.meminfo.type)
+        dst.parent = cgutils.get_null_value(dst.parent.type)
+        dst.nitems = src.nitems
+        dst.itemsize = src.itemsize
+        dst.data = src.data
+        dst.shape = src.shape
+        dst.strides = src.strides
+        return dst._getvalue()
 
     return sig, codegen
 

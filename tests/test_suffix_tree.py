@@ -486,6 +486,28 @@ def test_views_by_address_are_the_buffer_views():
     assert got[1].shape[0] > 0 and got[5].shape[0] > 3000
 
 
+def test_borrow_is_a_view_of_the_same_memory():
+    """``borrow(arr)`` (a view without a reference count, how ``mix`` drafts without atomic
+    counts) reads and writes ``arr``'s own memory, with its shape and strides, C-contiguous or not."""
+    from numba import njit
+
+    from das._trie_kernels import borrow
+
+    @njit
+    def touch(a, b):
+        v = borrow(a)
+        w = borrow(b)
+        v[1, 2] = 7.0
+        w[1] = 5
+        return v.shape[0], v.shape[1], v.strides[0], v.strides[1], w.shape[0], w.strides[0], v.sum() + w.sum()
+
+    a = np.zeros((3, 4))
+    base = np.zeros(10, np.int64)
+    b = base[::2]  # not contiguous
+    assert touch(a, b) == (3, 4, 32, 8, 5, 16, 12.0)
+    assert a[1, 2] == 7.0 and base[2] == 5 and a.sum() == 7.0 and base.sum() == 5
+
+
 def test_reserve_and_capacity_keep_a_growing_sequence_in_place():
     """``add(..., reserve=n)`` keeps room for the sequence to grow to ``n`` tokens without moving its
     pooled tokens, and ``SuffixTree(capacity=n)`` sizes the buffer so that the trie is not moved to a
