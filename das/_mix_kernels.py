@@ -158,7 +158,11 @@ def initial_weights() -> np.ndarray:
     return w
 
 
-@njit(cache=True, inline="always")
+# The helpers below are plain njit functions, which LLVM inlines, not numba's inline="always":
+# numba's own inlining binds each array argument to a new variable and counts a reference to it
+# per call (a call and an atomic operation per locus in _mix). 6-7% less drafting time at 256
+# rows (benchmarks/README.md, "Drafting without atomic reference counts").
+@njit(cache=True)
 def _bucket(L):
     if L <= 2:
         return L - 1
@@ -171,7 +175,7 @@ def _bucket(L):
     return 5
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _count_level(tot):
     """Count level (0, 1, 2) of a locus whose continuations' total weighted count is ``tot``."""
     return (tot >= LEVEL_2) + (tot >= LEVEL_3)
@@ -251,7 +255,7 @@ def _last_token(a, s):
     return pool[seqs[s, S_BASE] + n - 1] if n > 0 else -1
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _add_input(sums, cnts, f, s, st, first, tot):
     """Add a locus's stretched probability ``st`` to its scope x bucket input ``f`` and, for the
     scope's first (longest) locus, whose total weighted count is ``tot``, to the scope's
@@ -266,7 +270,7 @@ def _add_input(sums, cnts, f, s, st, first, tot):
     return False
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _outcome_slots(prev, t):
     """Rows of draft token ``t`` (after context token ``prev``) in outcome tables 0 and 1: the
     token id, and the pair hashed (Fibonacci-style multipliers; collisions only blur the rate).
@@ -274,7 +278,7 @@ def _outcome_slots(prev, t):
     return t & (OUTCOME_SLOTS - 1), ((prev * 0x9E3779B1) ^ (t * 0x85EBCA77)) & (OUTCOME_SLOTS - 1)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _rate_input(outcomes, table, i):
     """``stretch`` of the acceptance rate in row ``i`` of outcome table ``table`` (with one accepted
     and one rejected pseudo-count: 0 for a row never drafted)."""
@@ -282,7 +286,7 @@ def _rate_input(outcomes, table, i):
     return _STRETCH[min(int(p * _LEVELS), _LEVELS - 1)]
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _apm_knot(key, z):
     """Outcome table 3's row of the knot at or below logit ``z`` for calibration map ``key``,
     and the interpolation weight of the next knot."""
@@ -291,13 +295,13 @@ def _apm_knot(key, z):
     return key * APM_KNOTS + i, x - i
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _apm_value(outcomes, row):
     """Knot ``row``'s value: its counted acceptance rate, from its starting value with APM_PRIOR pseudo-drafts."""
     return (outcomes[3, row, 0] + APM_PRIOR * _APM_START[row % APM_KNOTS]) / (outcomes[3, row, 1] + APM_PRIOR)
 
 
-@njit(cache=True, inline="always")
+@njit(cache=True)
 def _apm_read(outcomes, key, z):
     """Calibration map ``key`` at logit ``z``: its two nearest knots' values, interpolated."""
     row, w = _apm_knot(key, z)
