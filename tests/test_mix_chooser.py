@@ -187,6 +187,29 @@ def test_the_longest_context_feeds_the_input_of_its_count_level(rollouts, level)
     assert [x[g] != 0.0 for g in slots] == [lv == level for lv in range(mixing.COUNT_LEVELS)]
 
 
+def test_every_draft_position_reads_one_locus_per_match_length_bucket():
+    """After each draft token the loci that follow it are thinned to the longest of each
+    match-length bucket again, as at the draft's first token: a bucket's input is one context's
+    stretched probability, never the mean of two (here at the fourth draft token, "3 4 5 6"
+    and "4 5 6" would share the 3-4 bucket, and say 7 with 0.91 and with 0.41)."""
+    d = DASDrafter(global_rollouts=0, use_request_tree=False)
+    for _ in range(3):
+        d.add_rollout(PROMPT, [1, 2, 3, 4, 5, 6, 7, 8, 9])
+    for t in range(40, 44):
+        d.add_rollout(PROMPT, [t, 4, 5, 6, 77])
+    d.start_request("r", PROMPT)
+    d.add_tokens("r", [1, 2, 3])
+    assert d.speculate("r", 6).tokens.tolist()[:4] == [4, 5, 6, 7]
+
+    def stretch(count, total):
+        return mixing._STRETCH[min(int(count / (total + d.prior) * mixing._LEVELS), mixing._LEVELS - 1)]
+
+    one_locus = [0.0, stretch(3, 3), stretch(3, 7)]  # no locus; a context only the 7s follow; "6", "5 6", "4 5 6"
+    x = d._dx[d._handles_of(["r"])[0], 3, 1 : 1 + mixing.NB]  # the fourth draft token's problem-tree inputs
+    assert all(np.isclose(one_locus, v).any() for v in x), x
+    assert np.isclose(x, stretch(3, 7)).sum() == 3  # buckets 1, 2 and 3-4: "6", "5 6", "4 5 6"
+
+
 def test_initial_weights_average_the_scopes_and_the_schema_names_the_chooser():
     w = mixing.initial_weights().reshape(mixing.NSETS, mixing.NIN)
     assert (w[:, 0] == 0).all() and (w[:, 1 : 1 + mixing.NCTX] == 0.3).all()
