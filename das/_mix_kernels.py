@@ -273,6 +273,17 @@ def _add_input(sums, cnts, f, s, st, first, tot):
 
 
 @njit(cache=True)
+def _set_input(x, f, s, st, first, tot):
+    """A scored candidate's inputs: a locus's stretched probability ``st`` is its scope x bucket
+    input ``f`` (one locus per bucket) and, for the scope's first (longest) locus, whose total
+    weighted count is ``tot``, the scope's longest-locus input of that count level; returns False."""
+    x[f] = st
+    if first:
+        x[LONGEST + _count_level(tot) * NT + s] = st
+    return False
+
+
+@njit(cache=True)
 def _outcome_slots(prev, t):
     """Rows of draft token ``t`` (after context token ``prev``) in outcome tables 0 and 1: the
     token id, and the pair hashed (Fibonacci-style multipliers; collisions only blur the rate).
@@ -466,7 +477,6 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
             t = cand[ci]
             for f in range(NIN):
                 sums[f] = 0.0
-                cnts[f] = 0.0
             agree = 0.0
             li = 0
             sup = 0  # t's support profile (SUPPORT_RATE), one base-(NB + 1) digit per scope
@@ -495,24 +505,17 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                         st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)] if cnt > 0.0 else _ST0
                     if deepest == 0 and st > _ST0:  # the loci are longest first
                         deepest = 1 + _bucket(lL[s, i])
-                    first = _add_input(sums, cnts, feat[j], s, st, first, totr[j])
+                    first = _set_input(sums, feat[j], s, st, first, totr[j])
                 sup += deepest
             sums[SUPPORT_RATE] = _rate_input(outcomes, 2, sup)
-            cnts[SUPPORT_RATE] = 1.0
             sums[AGREE] = 2.0 * agree / ntop - 1.0
-            cnts[AGREE] = 1.0
             ti, pi = _outcome_slots(prev, t)
             sums[TOKEN_RATE] = _rate_input(outcomes, 0, ti)
-            cnts[TOKEN_RATE] = 1.0
             sums[PAIR_RATE] = _rate_input(outcomes, 1, pi)
-            cnts[PAIR_RATE] = 1.0
             sums[0] = 1.0
-            cnts[0] = 1.0
             z = 0.0
-            for f in range(NIN):
-                if cnts[f] > 0.0:
-                    sums[f] /= cnts[f]
-                    z += wt[so + f] * sums[f]
+            for f in range(NIN):  # an absent input is 0 and adds nothing: the same logit as summing the present ones
+                z += wt[so + f] * sums[f]
             if z > bz:
                 bz = z
                 bt = t
