@@ -585,7 +585,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                 lL[s, m] = 1
                 m += 1
             # two loci in one bucket read nearly the same counts: keep the longest (benchmarks/README.md,
-            # "One locus per bucket at every draft position")
+            # "A later session on the same CPU: one locus per bucket at every draft position")
             nl[s] = _bucket_reps(lu, ld, lL, s, m)
             for i in range(nl[s]):  # the next position reads each locus's most frequent child: start those misses at once
                 b = nodes[lu[s, i], C_BEST]
