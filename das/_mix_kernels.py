@@ -258,25 +258,11 @@ def _last_token(a, s):
 
 
 @njit(cache=True)
-def _add_input(sums, cnts, f, s, st, first, tot):
-    """Add a locus's stretched probability ``st`` to its scope x bucket input ``f`` and, for the
-    scope's first (longest) locus, whose total weighted count is ``tot``, to the scope's
-    longest-locus input of that count level; returns False (the next locus of the scope is not
-    the first)."""
-    sums[f] += st
-    cnts[f] += 1.0
-    if first:
-        g = LONGEST + _count_level(tot) * NT + s
-        sums[g] = st
-        cnts[g] = 1.0
-    return False
-
-
-@njit(cache=True)
 def _set_input(x, f, s, st, first, tot):
-    """A scored candidate's inputs: a locus's stretched probability ``st`` is its scope x bucket
+    """A candidate's inputs ``x``: a locus's stretched probability ``st`` is its scope x bucket
     input ``f`` (one locus per bucket) and, for the scope's first (longest) locus, whose total
-    weighted count is ``tot``, the scope's longest-locus input of that count level; returns False."""
+    weighted count is ``tot``, the scope's longest-locus input of that count level; returns False
+    (the next locus of the scope is not the first)."""
     x[f] = st
     if first:
         x[LONGEST + _count_level(tot) * NT + s] = st
@@ -338,7 +324,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
     the first candidate, another token has at most the rest of the count, elsewhere at most the
     top count; each input lies between its value at those counts and at a count of 0, and the
     logit is bounded input by input by the larger of ``w * low`` and ``w * high``. Uses ``sums``
-    and ``cnts`` as scratch."""
+    (the inputs at those counts) and ``cnts`` (1 where a locus gives the input) as scratch."""
     a = cand[0]
     for f in range(NIN):
         sums[f] = 0.0
@@ -358,7 +344,8 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
             else:
                 c = max(totr[j] - topc[j], 0.0) * (1.0 + 1e-9)  # the margin covers the rounding of the totals
             st = _STRETCH[min(int(c / totp[j] * _LEVELS), _LEVELS - 1)] if c > 0.0 else _ST0
-            first = _add_input(sums, cnts, feat[j], s, st, first, totr[j])
+            _set_input(cnts, feat[j], s, 1.0, first, totr[j])  # the inputs some locus gives
+            first = _set_input(sums, feat[j], s, st, first, totr[j])
         j0 += nl[s]
     most = 0.0
     thi = -1e300  # the outcome-rate inputs: their range over the other candidates (two reads each)
@@ -394,7 +381,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
             hi = srange[0]
             lo = srange[1]
         elif cnts[f] > 0.0:
-            hi = sums[f] / cnts[f]
+            hi = sums[f]
             lo = _ST0
         else:
             continue
