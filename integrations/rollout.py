@@ -9,7 +9,8 @@ loop whose policy changes.
 
 Timing is side by side: every method's engine is built first and kept, and the iterations
 alternate between them (A B C, then C B A, ...), so drift in machine speed falls on every method
-alike. Each engine runs one warm-up request before the first timed iteration.
+alike. Each engine runs one warm-up request when it is built and, once every engine is built, one
+untimed batch of the first iteration's shape (:meth:`MethodRun.warm_batch`).
 
 Reported per iteration: wall time, tokens per second, the tail (seconds from 90% of the rollouts
 finished to the last one), rollout lengths (p50, p90, max), tokens generated, verification steps (engine steps summed over
@@ -230,6 +231,26 @@ class MethodRun:
         for _ in range(2):
             self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(n=2, temperature=1.0, max_tokens=16), use_tqdm=False)
 
+    def warm_batch(self, prompt_lengths: list[int]) -> None:
+        """Prefill one untimed batch of random prompts of ``prompt_lengths`` tokens each (one decode step).
+
+        The first step with a batch of this size after all engines are built pays a one-off cost
+        that no method's rollouts should carry: on a 2-vCPU Intel AMX VM it took 5.4-6.3 s instead
+        of 0.8-1.1 s, all in page faults (434,000 minor faults and 5.6 s of system time in one
+        step; without it 89,000 and 0.15 s), and fell on whichever engine ran first, which is the
+        method under test (benchmarks/README.md, "The first step after the engines are built").
+        The prompts are random tokens with no ``das_problem_id``, so no problem's history gets them.
+        """
+        from vllm import SamplingParams, TokensPrompt
+
+        try:
+            vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        except Exception:  # noqa: BLE001 - an engine without the attribute: any id of a real vocabulary
+            vocab = 32000
+        rng = np.random.default_rng(len(prompt_lengths))
+        prompts = [TokensPrompt(prompt_token_ids=rng.integers(0, vocab, max(1, n)).tolist()) for n in prompt_lengths]
+        self.llm.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0), use_tqdm=False)
+
     def run_iteration(self, it: int, chosen: list[int], prompts: list[list[int]], problem_ids: list[str], rollouts: list | None = None) -> IterationResult:
         """Generate iteration ``it`` (policy version ``it + 1``) for the problems ``chosen``.
 
@@ -293,6 +314,10 @@ def run_side_by_side(methods: list[str], model: str, prompts: list[list[int]], p
     try:
         for m in methods:
             runs[m] = MethodRun(m, model, args, kv)
+        if schedule:
+            first = [len(prompts[i]) for i in schedule[0] for _ in range(args.samples)]
+            for m in methods:
+                runs[m].warm_batch(first)
         for it, chosen in enumerate(schedule):
             for m in (methods if it % 2 == 0 else methods[::-1]):
                 r = runs[m].run_iteration(it, chosen, prompts, problem_ids, rollouts if m == trace_method else None)

@@ -254,3 +254,54 @@ def test_ray_worker_returns_each_groups_samples_in_order(fake_vllm):
     out = worker.generate([Group("g1", "p1", [5], 2), Group("g2", "p2", [6], 1)], {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}, 11)
     assert out == {"g1": [[0, 1], [100]], "g2": [[200, 201, 202]]}
     assert [sp.kw["ignore_eos"] for _, _, sp in llm.llm_engine.added] == [True] * 3
+
+
+def test_every_engine_prefills_one_untimed_batch_of_the_first_iterations_shape_before_any_timed_iteration(monkeypatch):
+    # The first big step after all engines are built pays a one-off cost (page faults, 5 s on
+    # an Intel AMX VM) that fell on the method under test: every engine must be past it first.
+    import integrations.rollout as rollout
+
+    events = []
+
+    class _Run:
+        def __init__(self, method, model, args, kv_gib=0):
+            self.name = method
+            events.append(("build", method))
+
+        def warm_batch(self, lengths):
+            events.append(("warm", self.name, list(lengths)))
+
+        def run_iteration(self, it, chosen, prompts, problem_ids, rollouts=None):
+            events.append(("iteration", self.name, it))
+            return it
+
+        def close(self):
+            events.append(("close", self.name))
+
+    monkeypatch.setattr(rollout, "MethodRun", _Run)
+    args = argparse.Namespace(samples=2)
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    out = rollout.run_side_by_side(["das", "none"], "m", prompts, ["a", "b", "c"], [[2, 0], [1, 2]], args, kv_gib=1)
+    assert out == {"das": [0, 1], "none": [0, 1]}
+    first_shape = [2, 2, 3, 3]  # problems 2 and 0, two samples each
+    assert events[:4] == [("build", "das"), ("build", "none"), ("warm", "das", first_shape), ("warm", "none", first_shape)]
+    assert [e for e in events[4:] if e[0] == "iteration"] == [("iteration", "das", 0), ("iteration", "none", 0),
+                                                               ("iteration", "none", 1), ("iteration", "das", 1)]
+
+
+def test_a_warm_batch_is_random_prompts_of_the_given_lengths_without_a_problem_id(fake_vllm):
+    calls = []
+
+    class _LLM:
+        llm_engine = SimpleNamespace(model_config=SimpleNamespace(get_vocab_size=lambda: 50))
+
+        def generate(self, prompts, params, use_tqdm=True):
+            calls.append((prompts, params))
+
+    run = MethodRun.__new__(MethodRun)
+    run.llm = _LLM()
+    run.warm_batch([3, 1, 5])
+    (prompts, params), = calls
+    ids = [p["prompt_token_ids"] if isinstance(p, dict) else p.prompt_token_ids for p in prompts]
+    assert [len(i) for i in ids] == [3, 1, 5] and all(0 <= t < 50 for i in ids for t in i)
+    assert params.kw == {"max_tokens": 2, "temperature": 1.0}  # no extra_args: no das_problem_id
