@@ -237,9 +237,12 @@ class MethodRun:
         The first step with a batch of this size after all engines are built pays a one-off cost
         that no method's rollouts should carry: on a 2-vCPU Intel AMX VM it took 5.4-6.3 s instead
         of 0.8-1.1 s, all in page faults (434,000 minor faults and 5.6 s of system time in one
-        step; without it 89,000 and 0.15 s), and fell on whichever engine ran first, which is the
-        method under test (benchmarks/README.md, "The first step after the engines are built").
-        The prompts are random tokens with no ``das_problem_id``, so no problem's history gets them.
+        step; without it 89,000 and 0.15 s: the VM backs guest memory lazily, and a second
+        engine's footprint reaches into memory not touched recently), and fell on whichever
+        engine ran first, which is the method under test (benchmarks/README.md, "A third session
+        on the same CPU: the first step after the engines are built").
+        The prompts are random tokens with no ``das_problem_id``, so no problem's history gets them;
+        their 2-token responses do enter the global tree (das) or the response cache (suffix).
         """
         from vllm import SamplingParams, TokensPrompt
 
