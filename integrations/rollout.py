@@ -241,8 +241,8 @@ class MethodRun:
         engine's footprint reaches into memory not touched recently), and fell on whichever
         engine ran first, which is the method under test (benchmarks/README.md, "A third session
         on the same CPU: the first step after the engines are built").
-        The prompts are random tokens with no ``das_problem_id``, so no problem's history gets them;
-        their 2-token responses do enter the global tree (das) or the response cache (suffix).
+        The prompts are random tokens, marked ``das_warmup`` (the DAS proposer leaves them out of
+        its trees and length history); suffix's response cache does keep their 2-token responses.
         """
         from vllm import SamplingParams, TokensPrompt
 
@@ -252,7 +252,7 @@ class MethodRun:
             vocab = 32000
         rng = np.random.default_rng(len(prompt_lengths))
         prompts = [TokensPrompt(prompt_token_ids=rng.integers(0, vocab, max(1, n)).tolist()) for n in prompt_lengths]
-        self.llm.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0), use_tqdm=False)
+        self.llm.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0, extra_args={"das_warmup": True}), use_tqdm=False)
 
     def run_iteration(self, it: int, chosen: list[int], prompts: list[list[int]], problem_ids: list[str], rollouts: list | None = None) -> IterationResult:
         """Generate iteration ``it`` (policy version ``it + 1``) for the problems ``chosen``.

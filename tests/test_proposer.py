@@ -254,7 +254,27 @@ def test_length_policies_learn_lengths_from_finished_rollouts():
     assert snap["budget"] == "class" and snap["failures"] == 0
 
 
-@pytest.mark.parametrize("bad", [{"das_max_draft_tokens": "abc"}, {"das_max_draft_tokens": -1}, {"das_problem_id": [1, 2]}])
+def test_a_warm_up_request_gets_no_drafts_and_leaves_no_tree_or_length_history():
+    eng = Engine()
+    prop = DASProposer(make_config({"budget": "class"}), runner=eng.runner)
+    prop.begin_iteration(1)
+    for rid, extra in (("real", {"das_problem_id": "p"}), ("warm", {"das_problem_id": "p", "das_warmup": True})):
+        eng.add(rid, [1, 2, 3], extra=extra)
+        eng.seqs[rid] += [4, 5, 6, 7, 8, 9, 4, 5]
+    eng.layout(["warm", "real"])
+    drafts = prop.propose([[5], [5]], eng.lens, eng.tokens)
+    assert drafts[0] == [] and len(drafts[1]) > 0
+    assert "warm" not in prop.drafter._requests and prop.stats.bad_requests == 0
+    for rid in ("warm", "real"):
+        eng.finish(rid)
+    eng.layout([])
+    prop.propose([], eng.lens, eng.tokens)
+    prop.begin_iteration(2)
+    assert prop.scheduler.predictor.history_lengths("p").tolist() == [8]  # the real request's only
+
+
+@pytest.mark.parametrize("bad", [{"das_max_draft_tokens": "abc"}, {"das_max_draft_tokens": -1}, {"das_problem_id": [1, 2]},
+                                 {"das_warmup": 1}])
 def test_a_request_with_bad_options_loses_only_its_own_draft(bad):
     eng = Engine()
     prop = DASProposer(make_config(), runner=eng.runner)

@@ -289,7 +289,7 @@ def test_every_engine_prefills_one_untimed_batch_of_the_first_iterations_shape_b
                                                                ("iteration", "none", 1), ("iteration", "das", 1)]
 
 
-def test_a_warm_batch_is_random_prompts_of_the_given_lengths_without_a_problem_id(fake_vllm):
+def test_a_warm_batch_is_random_prompts_of_the_given_lengths_marked_as_warm_up(fake_vllm):
     calls = []
 
     class _LLM:
@@ -304,4 +304,4 @@ def test_a_warm_batch_is_random_prompts_of_the_given_lengths_without_a_problem_i
     (prompts, params), = calls
     ids = [p["prompt_token_ids"] if isinstance(p, dict) else p.prompt_token_ids for p in prompts]
     assert [len(i) for i in ids] == [3, 1, 5] and all(0 <= t < 50 for i in ids for t in i)
-    assert params.kw == {"max_tokens": 2, "temperature": 1.0}  # no extra_args: no das_problem_id
+    assert params.kw == {"max_tokens": 2, "temperature": 1.0, "extra_args": {"das_warmup": True}}  # no das_problem_id

@@ -18,8 +18,10 @@ reconciled from ``token_ids_cpu``), prefill is chunked (a row that sampled nothi
 draft), and n > 1 samples share a prompt (each sample is its own request, all in one problem tree).
 
 Per-request options ride on ``SamplingParams.extra_args``:
-``das_problem_id`` (str: the problem's id, instead of the hash of the prompt token ids) and
-``das_max_draft_tokens`` (int: this request's speculation budget per step, 0 = no drafting).
+``das_problem_id`` (str: the problem's id, instead of the hash of the prompt token ids),
+``das_max_draft_tokens`` (int: this request's speculation budget per step, 0 = no drafting) and
+``das_warmup`` (bool: a request that only warms the engine up; it gets no drafts and the drafter
+never sees it, so no tree and no length history holds it).
 
 Settings (``additional_config['das']``): the keys of :class:`das.config.DASConfig`, which holds
 their defaults and ranges; :func:`das_section` checks them when the proposer is built.
@@ -580,6 +582,13 @@ class DASProposer:
             pid = extra.get("das_problem_id")
             if pid is not None and not isinstance(pid, (str, int)):
                 raise ValueError(f"das_problem_id must be a str or int, got {type(pid).__name__}: {pid!r}")
+            warm = extra.get("das_warmup", False)
+            if not isinstance(warm, bool):
+                raise ValueError(f"das_warmup must be a bool, got {type(warm).__name__}: {warm!r}")
+            if warm:  # untracked, as a bad request is, but not counted as one
+                slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, 0, False)
+                req = self._reqs[req_id] = _Req(None, slot)
+                return req
             pid = self.drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=pid)
         except Exception as exc:  # noqa: BLE001 - one request's bad input must not stop the batch
             self.stats.bad_requests += 1
