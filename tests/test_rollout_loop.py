@@ -302,6 +302,6 @@ def test_a_warm_batch_is_random_prompts_of_the_given_lengths_marked_as_warm_up(f
     run.llm = _LLM()
     run.warm_batch([3, 1, 5])
     (prompts, params), = calls
-    ids = [p["prompt_token_ids"] if isinstance(p, dict) else p.prompt_token_ids for p in prompts]
+    ids = [p["prompt_token_ids"] for p in prompts]  # the fake TokensPrompt is a dict
     assert [len(i) for i in ids] == [3, 1, 5] and all(0 <= t < 50 for i in ids for t in i)
     assert params.kw == {"max_tokens": 2, "temperature": 1.0, "extra_args": {"das_warmup": True}}  # no das_problem_id

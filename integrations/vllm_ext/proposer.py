@@ -565,13 +565,15 @@ class DASProposer:
         """Bookkeeping for a request seen for the first time; a request with bad options is isolated.
 
         A bad ``extra_args`` value costs that request its drafts only: it is counted in
-        ``stats.bad_requests``, logged, and never enters the drafter.
+        ``stats.bad_requests``, logged, and never enters the drafter. A ``das_warmup`` request is
+        kept out of the drafter the same way, without being counted or logged.
         """
         batch = self.runner.input_batch
         num_prompt = int(batch.num_prompt_tokens[row])
         state = requests.get(req_id)
         params = state.sampling_params if state is not None else None
         max_tokens = min(int(getattr(params, "max_tokens", None) or self.max_model_len), self.max_model_len)
+        pid, cap, tracked = None, 0, False  # untracked: no drafts, never in the drafter (a warm-up or bad request)
         try:
             extra = getattr(params, "extra_args", None) or {}
             if not isinstance(extra, dict):
@@ -585,19 +587,14 @@ class DASProposer:
             warm = extra.get("das_warmup", False)
             if not isinstance(warm, bool):
                 raise ValueError(f"das_warmup must be a bool, got {type(warm).__name__}: {warm!r}")
-            if warm:  # untracked, as a bad request is, but not counted as one
-                slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, 0, False)
-                req = self._reqs[req_id] = _Req(None, slot)
-                return req
-            pid = self.drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=pid)
+            if not warm:
+                pid = self.drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=pid)
+                tracked = True
         except Exception as exc:  # noqa: BLE001 - one request's bad input must not stop the batch
             self.stats.bad_requests += 1
             logger.warning("das: request %s gets no drafts: %s", req_id, exc)
-            slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, 0, False)
-            req = self._reqs[req_id] = _Req(None, slot)
-            return req
-        slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, int(cap), True)
-        req = self._reqs[req_id] = _Req(pid, slot)
+        slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, int(cap) if tracked else 0, tracked)
+        req = self._reqs[req_id] = _Req(pid if tracked else None, slot)
         return req
 
     def _request_caps(self, slots: np.ndarray, live: np.ndarray, req_ids: list) -> np.ndarray:
