@@ -759,7 +759,8 @@ class DASDrafter:
             if k == 0:
                 return empty_draft()
             p = probs[0, :k].copy()
-            return _new_tuple(Draft, (tokens[0, :k].copy(), p, float(p.sum(dtype=np.float64)), 0))
+            # sum over a list: 0.15 us against 0.8 for numpy's float64 sum of a few float32s (it may differ in the last bit)
+            return _new_tuple(Draft, (tokens[0, :k].copy(), p, sum(p.tolist()), 0))
         prob = req.problem
         pt = prob.tree if prob is not None else None
         rt = req.tree
