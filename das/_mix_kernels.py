@@ -625,8 +625,9 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
     (``int64[1]``, from 0, shared by the parts; alone, a part takes every row in order) until
     every row is taken. With its own scratch arrays."""
-    # the scratch arrays are views of one block per dtype: 3 allocations instead of 20 (0.5 us of a
-    # one-row call such as DASDrafter.speculate, which draft in 3-5 us from cached trees)
+    # the scratch arrays are views of one block per dtype: 3 allocations instead of 20, which took
+    # about 0.7 us of a one-row call such as DASDrafter.speculate (its drafting: about 3.5 us from
+    # cached trees)
     W = NT * (D + 1)
     ib = np.empty((7 + MAX_CAND) * W + 3 * NT + 1, np.int64)
     fb = np.empty(3 * W + NT + 2 * NIN + 2, np.float64)
