@@ -58,7 +58,7 @@ from das import _mix_kernels as mixing
 from das import _step_kernels as step_kernels
 from das import _trie_kernels as kernels
 from das.config import CHOOSERS, DEFAULTS
-from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree, as_tokens, empty_draft
+from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree, _check_range, as_tokens, empty_draft
 
 _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
@@ -105,14 +105,6 @@ def problem_id(prompt_token_ids) -> str:
 
 
 _problem_id = problem_id
-
-
-def _check_range(a: np.ndarray, name: str) -> None:
-    """Raise ValueError naming the first token of ``a`` (1-D, C-contiguous int32 or int64, as
-    :func:`das.suffix_tree.as_tokens` gives) outside ``[0, VOCAB_LIMIT)``."""
-    i = kernels.first_bad_token(a)
-    if i >= 0:
-        raise ValueError(f"token {int(a[i])} at index {i} of {name} is out of range [0, {VOCAB_LIMIT})")
 
 
 class DraftBatch(NamedTuple):

@@ -799,10 +799,13 @@ class SuffixTree:
                 assert u in strings and strings[u] == toks[n - d :], (slot, d)
 
 
-def _check_range(a: np.ndarray) -> None:
+def _check_range(a: np.ndarray, name: str | None = None) -> None:
+    """Raise ValueError naming the first token of ``a`` (1-D int32 or int64, as :func:`as_tokens`
+    gives) outside ``[0, VOCAB_LIMIT)``, and ``name`` (the argument it came in) if given."""
     i = kernels.first_bad_token(a)
     if i >= 0:
-        raise ValueError(f"token {int(a[i])} at index {i} is out of range [0, {VOCAB_LIMIT})")
+        where = f" of {name}" if name else ""
+        raise ValueError(f"token {int(a[i])} at index {i}{where} is out of range [0, {VOCAB_LIMIT})")
 
 
 def _check_draft_args(max_tokens, min_token_prob, max_spec_factor, min_match, prior):
