@@ -39,8 +39,9 @@ Both paths make the same drafts (checked: the runs must take the same number of 
 path runs ``--repeats`` times, interleaved; as every repeat does exactly the same work step by
 step, a step's time is its fastest over the repeats (which filters out other processes' noise).
 The garbage collector is off while timing. From ``das.drafter.PARALLEL_ROWS`` rows on the batch
-path drafts on the drafter's ``draft_threads`` (default: this machine's physical cores, at most
-8; ``--das '{"draft_threads": 1}'`` for one), printed in the header.
+path drafts on the drafter's ``draft_threads`` (default: :func:`das.drafter.default_draft_threads`,
+this machine's physical cores per GPU, at most 16, or without a GPU at most 8; ``--das
+'{"draft_threads": 1}'`` for one), printed in the header.
 
 Deferred global appends (``--das '{"defer_global": true}' --gpu-ms G``): the drafter leaves each
 step's appends to its global tree (and its stopped requests' removals there) to a background thread that runs while the accelerator

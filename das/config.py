@@ -60,7 +60,8 @@ class DASConfig(BaseModel):
                               "replays with 9-29% less memory per stored token and 7-15% less drafter CPU per step")
     mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
     draft_threads: int = Field(0, ge=0, description="threads that append and draft a step's rows at once (steps of 16 rows or "
-                               "more, as vLLM's n-gram proposer); 0: this machine's physical cores, at most 8")
+                               "more, as vLLM's n-gram proposer); 0: this machine's physical cores per GPU, at most 16, or "
+                               "without a GPU at most 8 (das.drafter.default_draft_threads)")
     defer_global: bool | None = Field(None, description="leave a step's appends to the global tree (and its stopped requests' removals "
                                       "there) to a background thread that "
                                       "runs while the accelerator verifies (the step's drafts read that tree one step behind); "

@@ -64,7 +64,7 @@ _I32 = np.dtype(np.int32)
 _I64 = np.dtype(np.int64)
 _new_tuple = tuple.__new__
 
-__all__ = ["DASDrafter", "DraftBatch", "PARALLEL_ROWS", "physical_cores", "problem_id"]
+__all__ = ["DASDrafter", "DraftBatch", "PARALLEL_ROWS", "default_draft_threads", "node_gpus", "physical_cores", "problem_id"]
 
 _RESCALE_LOG2 = 40.0  # rescale a problem tree when a new weight would exceed 2**40
 # rows from which the batch verbs run on several threads. `python -m benchmarks.step_ab --ab
@@ -278,13 +278,14 @@ class DASDrafter:
         draft_threads: int >= 0, threads that append and draft the rows of one
             :meth:`add_tokens_batch` / :meth:`speculate_batch` call at once (numba ``prange``, as
             vLLM's n-gram proposer) from :data:`PARALLEL_ROWS` rows on, with either chooser; the
-            trees and drafts are the same as on one thread. 0: this machine's
-            physical cores available to the process, at most 8 (:func:`physical_cores`); 1: one
-            thread. Default 0 (step cost at 256 rows on a 2-core Zen 4: 2.0-2.1 ms instead of 4.2
-            on one thread with ``"mix"``, 0.69-0.78 ms with ``"walk"``; on a 16-core GPU host's
-            Xeon 1.5-1.6 ms with the default 8 threads and 1.0-1.4 ms with 16, where cores are spare;
-            see benchmarks/README.md, "Step cost"). The cap of 8 is the one vLLM's n-gram proposer
-            gives: the engine's frontend (tokenizing) and structured outputs need threads too.
+            trees and drafts are the same as on one thread. 0: :func:`default_draft_threads`,
+            the physical cores available to the process (:func:`physical_cores`) per GPU of the
+            machine, at most 16, or without a GPU at most 8; 1: one thread. Default 0 (step cost
+            at 256 rows on a 2-core Zen 4: 2.0-2.1 ms instead of 4.2 on one thread with
+            ``"mix"``, 0.69-0.78 ms with ``"walk"``; on an H200 host's 16-core Xeon 0.92-1.08 ms
+            on 16 threads against 1.09-1.21 on 8; see benchmarks/README.md, "Step cost"). The cap
+            of 8 without a GPU is vLLM's n-gram proposer's: a CPU engine's frontend (tokenizing)
+            and structured outputs need threads too.
         defer_global: bool or None, :meth:`add_tokens_batch` leaves its appends to the global
             tree (one thread's work, most of the 0.53 ms of appending in a 1.0 ms step at 256
             rows on a 16-core GPU host's Xeon on 16 threads) for a background thread, which
@@ -347,7 +348,7 @@ class DASDrafter:
         self.global_depth = _int_arg(global_depth, "global_depth", 2, 10_000)
         self.mix_lr = _float_arg(mix_lr, "mix_lr", "a finite number > 0", lambda x: 0.0 < x < math.inf)
         self.draft_threads = _int_arg(draft_threads, "draft_threads", 0)
-        self._threads = self.draft_threads or min(8, physical_cores())
+        self._threads = self.draft_threads or default_draft_threads()
         if defer_global is not None and not isinstance(defer_global, (bool, np.bool_)):
             raise ValueError(f"defer_global must be a bool or None, got {defer_global!r}")
         self.defer_global = bool(defer_global) and self.chooser == "mix" and bool(self.global_rollouts)
@@ -1353,6 +1354,45 @@ def _batch_error(code: int, r: int, c: int, tokens: np.ndarray, starts: np.ndarr
     if code == kernels.E_END:
         return f"ends[{r}] must be <= token_ids.shape[1] = {tokens.shape[1]}, got {int(ends[r])}"
     return f"token {int(tokens[r, c])} at token_ids[{r}, {c}] is out of range [0, {VOCAB_LIMIT})"
+
+
+# the default draft threads' caps: where the engine runs on a GPU its CPU cores idle through the
+# forward pass, and on an H200 host's 16-core Xeon 16 threads beat 8 at 256 rows in every run in
+# turns (back to back 0.92-1.08 ms against 1.09-1.21, with a 20 ms forward pass between steps
+# 1.24-1.34 against 1.53-1.76; benchmarks/README.md, "Step cost", "Draft threads on a GPU host");
+# on a CPU engine vLLM's n-gram proposer's cap of 8
+GPU_HOST_THREADS = 16
+CPU_HOST_THREADS = 8
+
+
+def node_gpus() -> int:
+    """NVIDIA GPUs this machine (or container) holds, all of them whatever ``CUDA_VISIBLE_DEVICES``
+    shows this process: one entry each in ``/proc/driver/nvidia/gpus``. 0 where that directory
+    is missing or unreadable (no NVIDIA driver)."""
+    try:
+        return len(os.listdir("/proc/driver/nvidia/gpus"))
+    except OSError:
+        return 0
+
+
+def default_draft_threads(cores: int | None = None, gpus: int | None = None) -> int:
+    """Draft threads when ``draft_threads`` is 0: on a GPU machine the physical cores per GPU
+    (each GPU's engine, or tensor-parallel rank, runs its own proposer; vLLM's n-gram proposer
+    divides its threads by the tensor-parallel size for the same reason), at most
+    :data:`GPU_HOST_THREADS`; without one, the physical cores, at most :data:`CPU_HOST_THREADS`.
+
+    Args:
+        cores: physical cores (default :func:`physical_cores`).
+        gpus: GPUs of the machine (default :func:`node_gpus`).
+
+    Returns:
+        int >= 1.
+    """
+    cores = physical_cores() if cores is None else cores
+    gpus = node_gpus() if gpus is None else gpus
+    if gpus > 0:
+        return max(1, min(GPU_HOST_THREADS, cores // gpus))
+    return max(1, min(CPU_HOST_THREADS, cores))
 
 
 def physical_cores() -> int:

@@ -660,3 +660,43 @@ def test_a_request_on_several_rows_drafts_on_one_thread():
         repeated[i] = handles[(i + 7) % handles.shape[0]]
         assert d._parts(repeated) == 1
     assert d._parts(handles) == 2  # the stamps of an earlier call do not linger
+
+
+@pytest.mark.parametrize(("cores", "gpus", "threads"), [
+    (2, 0, 2),  # this machine kind: a CPU engine on every core
+    (64, 0, 8),  # a big CPU box: vLLM n-gram's cap of 8
+    (16, 1, 16),  # an H200 host: every core of its one GPU's share
+    (112, 8, 14),  # an 8-GPU node: each GPU's engine its share of the cores
+    (32, 8, 4),
+    (224, 1, 16),  # at most 16
+    (4, 8, 1),  # fewer cores than GPUs: still one thread
+])
+def test_default_draft_threads_are_the_cores_per_gpu_capped(cores, gpus, threads):
+    from das.drafter import default_draft_threads
+
+    assert default_draft_threads(cores, gpus) == threads
+
+
+def test_default_draft_threads_read_this_machine(monkeypatch):
+    """``draft_threads=0`` takes :func:`default_draft_threads` of the machine's cores and GPUs."""
+    import das.drafter as drafter
+
+    monkeypatch.setattr(drafter, "physical_cores", lambda: 16)
+    monkeypatch.setattr(drafter, "node_gpus", lambda: 1)
+    assert drafter.DASDrafter(draft_threads=0)._threads == 16
+    monkeypatch.setattr(drafter, "node_gpus", lambda: 0)
+    assert drafter.DASDrafter(draft_threads=0)._threads == 8
+    assert drafter.DASDrafter(draft_threads=3)._threads == 3  # a given count wins
+
+
+def test_node_gpus_counts_the_driver_entries(monkeypatch, tmp_path):
+    import das.drafter as drafter
+
+    real = drafter.os.listdir
+    monkeypatch.setattr(drafter.os, "listdir", lambda p: real(tmp_path) if p == "/proc/driver/nvidia/gpus" else real(p))
+    assert drafter.node_gpus() == 0
+    for bus in ("0000:18:00.0", "0000:2a:00.0"):
+        (tmp_path / bus).mkdir()
+    assert drafter.node_gpus() == 2
+    tmp_path.rename(tmp_path.with_name(tmp_path.name + "_gone"))
+    assert drafter.node_gpus() == 0  # no driver: no directory
