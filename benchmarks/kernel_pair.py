@@ -3,9 +3,9 @@
 ``python -m benchmarks.kernel_pair --base PATH [--trace PATH] [--rows 256] [--threads N] [--k 16]``
 
 ``PATH`` is another version of ``das/_mix_kernels.py`` (e.g. ``git show HEAD:das/_mix_kernels.py >
-/tmp/base_mix.py``). The machine here drifts by up to +-25% between runs of one command (and in
-spells within one), which hides a change of a few percent between two runs of
-``benchmarks.step_cost``. So this runs the ``batch`` path of ``benchmarks.step_cost``'s workload
+/tmp/base_mix.py``). A cloud VM can drift by tens of percent between runs of one command (and
+in spells within one), which hides a change of a few percent between two runs of
+``benchmarks.step_cost`` (docs/benchmarks.md, "Measurement notes"). So this runs the ``batch`` path of ``benchmarks.step_cost``'s workload
 once, and at every engine step drafts twice on the same drafter state: with the checkout's kernel
 (``new``) and with ``PATH``'s (``base``), in alternating order. Drafting only reads the trees and
 the mixer, so both calls see the same state; the step goes on with the checkout's drafts (where
