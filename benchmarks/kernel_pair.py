@@ -3,9 +3,9 @@
 ``python -m benchmarks.kernel_pair --base PATH [--trace PATH] [--rows 256] [--threads N] [--k 16]``
 
 ``PATH`` is another version of ``das/_mix_kernels.py`` (e.g. ``git show HEAD:das/_mix_kernels.py >
-/tmp/base_mix.py``). The machine here drifts by up to +-25% between runs of one command (and in
-spells within one), which hides a change of a few percent between two runs of
-``benchmarks.step_cost``. So this runs the ``batch`` path of ``benchmarks.step_cost``'s workload
+/tmp/base_mix.py``). A cloud VM can drift by tens of percent between runs of one command (and
+in spells within one), which hides a change of a few percent between two runs of
+``benchmarks.step_cost`` (docs/benchmarks.md, "Measurement notes"). So this runs the ``batch`` path of ``benchmarks.step_cost``'s workload
 once, and at every engine step drafts twice on the same drafter state: with the checkout's kernel
 (``new``) and with ``PATH``'s (``base``), in alternating order. Drafting only reads the trees and
 the mixer, so both calls see the same state; the step goes on with the checkout's drafts (where
@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.replay import load_trace
-from benchmarks.step_cost import RECORD_HINT, Workload, find_trace, simulate
+from benchmarks.step_cost import Workload, find_trace, simulate
 
 SKIP = 5  # first steps left out: the kernels load from numba's disk cache on their first calls
 
@@ -88,7 +88,7 @@ def paired_run(work: Workload, base, k: int, max_steps: int, threads: int) -> di
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernel_pair", description=__doc__.split("\n\n")[0])
     p.add_argument("--base", required=True, help="another version of das/_mix_kernels.py")
-    p.add_argument("--trace", default=None, help="rollout trace (parquet); default: as benchmarks.step_cost")
+    p.add_argument("--trace", default=None, help="rollout trace (parquet); default: as benchmarks.step_cost (recorded if missing)")
     p.add_argument("--rows", type=int, default=256, help="running requests")
     p.add_argument("--threads", type=int, default=1, help="draft threads (the drafter's draft_threads)")
     p.add_argument("--k", type=int, default=16, help="draft budget per row and step (K)")
@@ -102,9 +102,10 @@ def main(argv=None) -> int:
     if args.rows < 1 or args.threads < 1 or args.k < 1 or args.max_steps <= SKIP:
         print(f"--rows, --threads and --k must be >= 1 and --max-steps > {SKIP}", file=sys.stderr)
         return 2
-    trace = find_trace(args.trace)
-    if trace is None or not trace.exists():
-        print(f"no rollout trace; record one with:\n  {RECORD_HINT}", file=sys.stderr)
+    try:
+        trace = find_trace(args.trace)
+    except FileNotFoundError as exc:
+        print(f"kernel_pair: {exc}", file=sys.stderr)
         return 2
     try:
         base = load_kernels(Path(args.base))

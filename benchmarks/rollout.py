@@ -58,7 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--pool", type=int, default=16, help="problems the iterations draw from (small, so problems recur)")
     p.add_argument("--lr", type=float, default=None, help="override train.lr")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results", help="directory for JSON, tables and PNGs")
+    p.add_argument("--out", default="runs/rollout", help="directory for JSON, tables and PNGs (default: runs/rollout, git-ignored)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="replace result files already in --out (else refuse before running)")
     p.add_argument("overrides", nargs="*", help="extra recipe overrides (section.key=value) for every data set")

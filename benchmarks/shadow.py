@@ -105,7 +105,7 @@ def run(iterations, lead: str, shadows: list[str], k: int) -> dict[str, Any]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.shadow", description=__doc__.split("\n\n")[0])
-    p.add_argument("--trace", default=None, help="rollout trace (parquet); default: as benchmarks.step_cost")
+    p.add_argument("--trace", default=None, help="rollout trace (parquet); default: as benchmarks.step_cost (recorded if missing)")
     p.add_argument("--lead", default="das", help="the drafter whose drafts the replay follows")
     p.add_argument("--shadows", default="arctic_suffix", help="drafters asked at the lead's steps (comma-separated)")
     p.add_argument("--k", type=int, default=DEFAULT_K, help="K: most draft tokens per step")
@@ -122,9 +122,10 @@ def main(argv=None) -> int:
         print(f"--k must be >= 1 and --shadows name at least one drafter, got --k {args.k} --shadows {args.shadows!r}",
               file=sys.stderr)
         return 2
-    trace = find_trace(args.trace)
-    if trace is None or not trace.exists():
-        print(f"no rollout trace at {args.trace!r}; record one as benchmarks/README.md, Replay, shows", file=sys.stderr)
+    try:
+        trace = find_trace(args.trace)
+    except FileNotFoundError as exc:
+        print(f"shadow: {exc}", file=sys.stderr)
         return 2
     CONFIGS.clear()
     try:

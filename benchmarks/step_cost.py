@@ -6,9 +6,9 @@ What one engine step asks of the drafter, as vLLM's proposer drives it: every ru
 appends the tokens its last verification accepted, then drafts up to K tokens. Measured per step
 (wall time, and CPU time of all the process's threads, milliseconds) for two ways of doing it:
 
-* ``per_row`` (old): ``add_tokens(req_id, tokens)`` for each row, then ``speculate(req_id, K)``
+* ``per_row``: ``add_tokens(req_id, tokens)`` for each row, then ``speculate(req_id, K)``
   for each row, from Python;
-* ``batch`` (new): ``add_tokens_batch(req_ids, token_ids, None, ends)`` (``starts=None``: from
+* ``batch``: ``add_tokens_batch(req_ids, token_ids, None, ends)`` (``starts=None``: from
   the drafter's own token counts) and ``speculate_batch(req_ids, budgets)``: two calls, whatever
   the number of rows;
 * ``proposer`` (``--paths proposer``): the engine's own caller,
@@ -74,7 +74,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.replay import CACHE, default_trace_path, load_trace
+from benchmarks.replay import load_trace
 from das.drafter import PARALLEL_ROWS
 
 DEFAULT_ROWS = (16, 64, 256, 1024)
@@ -82,21 +82,14 @@ DEFAULT_K = 16
 PATHS = ("per_row", "batch", "proposer")
 DEFAULT_PATHS = ("per_row", "batch")  # ``proposer`` imports vLLM (seconds): asked for by name
 QUEUE = 3  # rollouts queued per row: the run ends when the queue runs dry (about 300 steps on DSR-sub)
-RECORD_HINT = (".venv/bin/das-rollout --data ../shared/data/dsr_sub.parquet --method none --compare '' "
-               "--iterations 2 --prompts 16 --samples 8 --max-tokens 384 "
-               "--trace ~/.cache/das/traces/dsr_sub_none.parquet")
 
 
-def find_trace(path: str | None) -> Path | None:
-    """``path``, else the cached DSR-sub trace of ``benchmarks.replay``, else ``dsr_sub_none.parquet``,
-    else the newest ``*.parquet`` under the trace cache; None if there is none."""
-    if path:
-        return Path(path)
-    for p in (default_trace_path(), CACHE / "dsr_sub_none.parquet"):
-        if p.exists():
-            return p
-    found = sorted(CACHE.glob("*.parquet"), key=lambda p: p.stat().st_mtime, reverse=True) if CACHE.exists() else []
-    return found[0] if found else None
+def find_trace(path: str | None, record: bool = True) -> Path:
+    """``path``, else the benchmarks' cached trace, recorded first when it is missing
+    (:func:`integrations.data.trace.cached_trace`). FileNotFoundError names a missing file."""
+    from integrations.data.trace import cached_trace
+
+    return cached_trace(path, record=record)
 
 
 COPY_SHIFT = 49_157  # token id shift per copy: more than SmolLM2's vocabulary (49,152)
@@ -154,9 +147,9 @@ def stand_in_proposer(drafter, k: int, max_model_len: int, prices: tuple[float, 
 
 def wait_forward(ms: float) -> None:
     """Wait ``ms`` milliseconds as an engine's main thread waits for the accelerator's forward
-    pass: busy (a sleeping core wakes cold: 16 rows took 0.6 ms a step after 20 ms asleep against
-    0.2 back to back, one thread, Zen 4), but giving the GIL away at every turn, as a blocking
-    CUDA copy does, so a background thread runs meanwhile."""
+    pass: busy (a core that slept wakes with cold caches, which would charge the drafter for
+    the sleep), but giving the GIL away at every turn, as a blocking CUDA copy does, so a
+    background thread runs meanwhile."""
     end = time.perf_counter_ns() + int(ms * 1e6)
     while time.perf_counter_ns() < end:
         time.sleep(0)
@@ -413,7 +406,9 @@ def format_table(report: dict[str, Any]) -> str:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.step_cost", description=__doc__.split("\n\n")[0])
     p.add_argument("--trace", default=None,
-                   help="rollout trace (parquet); default: a cached one under ~/.cache/das/traces (see find_trace)")
+                   help="rollout trace (parquet); default: the benchmarks' cached trace under ~/.cache/das/traces, "
+                        "recorded with the real model first if missing (integrations.data.trace.cached_trace)")
+    p.add_argument("--no-record", action="store_true", help="fail instead of recording a trace when none is cached")
     p.add_argument("--rows", action="append", default=None,
                    help="running requests (comma-separated, repeatable); default 16,64,256,1024")
     p.add_argument("--k", type=int, default=DEFAULT_K, help="draft budget per row and step (K)")
@@ -456,10 +451,10 @@ def main(argv=None) -> int:
             print(f"--prices must be C_BASE,C_TOK (seconds > 0, seconds per token >= 0) with --paths naming proposer, "
                   f"got {args.prices!r} and --paths {args.paths!r}", file=sys.stderr)
             return 2
-    trace = find_trace(args.trace)
-    if trace is None or not trace.exists():
-        where = f" at {trace}" if trace else " cached"
-        print(f"no rollout trace{where}; record one with:\n  {RECORD_HINT}", file=sys.stderr)
+    try:
+        trace = find_trace(args.trace, record=not args.no_record)
+    except FileNotFoundError as exc:
+        print(f"step_cost: {exc}", file=sys.stderr)
         return 2
     try:
         config = json.loads(args.das) if args.das else {}

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from das.config import DEFAULTS, DASConfig, das_config
-from integrations.data.problems import problem_source
+from integrations.data.problems import problem_set_name, problem_source
 from integrations.results import save_figure
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import METHODS, drop_unavailable
@@ -235,12 +235,10 @@ class MethodRun:
         """Prefill one untimed batch of random prompts of ``prompt_lengths`` tokens each (one decode step).
 
         The first step with a batch of this size after all engines are built pays a one-off cost
-        that no method's rollouts should carry: on a 2-vCPU Intel AMX VM it took 5.4-6.3 s instead
-        of 0.8-1.1 s, all in page faults (434,000 minor faults and 5.6 s of system time in one
-        step; without it 89,000 and 0.15 s: the VM backs guest memory lazily, and a second
-        engine's footprint reaches into memory not touched recently), and fell on whichever
-        engine ran first, which is the method under test (benchmarks/README.md, "A third session
-        on the same CPU: the first step after the engines are built").
+        that no method's rollouts should carry: page faults, where the VM backs guest memory
+        lazily and a second engine's footprint reaches into memory not touched recently (seconds
+        for one step; docs/benchmarks.md, "One-off costs kept out of the timed iterations"). It
+        would fall on whichever engine ran first, which is the method under test.
         The prompts are random tokens, marked ``das_warmup`` (the DAS proposer leaves them out of
         its trees and length history); suffix's response cache does keep their 2-token responses.
         """
@@ -461,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         s["speedup_vs_none"] = round(base["summary"]["wall_time_s"] / s["wall_time_s"], 3) if base else None
         s["tokens_per_s_vs_none"] = round(s["tokens_per_s"] / base["summary"]["tokens_per_s"], 3) if base else None
         s["tokens_per_s_vs_suffix"] = round(s["tokens_per_s"] / suffix["summary"]["tokens_per_s"], 3) if suffix else None
-    report["title"] = f"{args.data or 'champ'}: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} tokens max"
+    report["title"] = f"{problem_set_name(args.data)}: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} tokens max"
     print(format_table(report))
     if args.json:
         from integrations.results import write_atomic

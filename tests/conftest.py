@@ -62,3 +62,60 @@ def _fresh_engine_state(request):
 
         release_engine_state()
     yield
+
+
+@pytest.fixture
+def synthetic_trace(tmp_path):
+    """A factory of small rollout traces: ``synthetic_trace(iterations=2, problems=2, samples=3,
+    seed=0, length=40)`` writes ``tmp_path/trace.parquet`` and returns its path. Each problem's
+    rollouts are noisy copies (80% of tokens kept) of one random base of ``length`` tokens over a
+    vocabulary of 9, cut to random lengths, so drafters find repeats across samples and iterations."""
+    import numpy as np
+
+    from integrations.data.trace import Rollout, write_trace
+
+    def make(iterations: int = 2, problems: int = 2, samples: int = 3, seed: int = 0, length: int = 40) -> Path:
+        rng = np.random.default_rng(seed)
+        rollouts = []
+        for it in range(iterations):
+            for p in range(problems):
+                base = rng.integers(0, 9, length).tolist()
+                prompt = [100 + p, 200, 201]
+                for s in range(samples):
+                    out = [t if rng.random() < 0.8 else int(rng.integers(0, 9)) for t in base][: int(rng.integers(5, length))]
+                    rollouts.append(Rollout(it, it + 1, f"p{p}", s, prompt, out, "stop"))
+        return write_trace(tmp_path / "trace.parquet", rollouts)
+
+    return make
+
+
+class _OracleDrafter:
+    """A replay drafter (:func:`benchmarks.replay.replay`'s interface) that drafts the true next K
+    tokens of the trace: acceptance is then exactly computable."""
+
+    def __init__(self, iterations, k):
+        self.k = k
+        self.outs = {(it, i): r.out_list for it, rs in enumerate(iterations) for i, r in enumerate(rs)}
+        self.pos = {}
+
+    def begin_iteration(self, v):
+        pass
+
+    def start(self, rid, prompt, pid):
+        self.pos[rid] = 0
+
+    def add(self, rid, toks):
+        self.pos[rid] += len(toks)
+
+    def propose(self, rid, ctx):
+        p = self.pos[rid]
+        return self.outs[rid][p : p + self.k]
+
+    def stop(self, rid):
+        del self.pos[rid]
+
+
+@pytest.fixture
+def oracle_drafter():
+    """The class of a replay drafter that drafts the trace's true next K tokens: ``oracle_drafter(iterations, k)``."""
+    return _OracleDrafter

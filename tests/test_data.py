@@ -349,3 +349,52 @@ def test_bad_leetcode_rows_raise_one_line_naming_file_row_and_key(tmp_path, row,
     with pytest.raises(ValueError, match=match) as info:
         load_leetcode_json(f)
     assert "lc.json" in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- the benchmarks' cached trace
+
+
+def test_the_default_trace_is_dsr_sub_where_its_file_is_present_else_champ(tmp_path, monkeypatch):
+    from integrations.data import trace
+
+    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("DAS_DATA_DIR", str(tmp_path))
+    assert trace.default_trace_data() == "champ"
+    assert trace.default_trace_path() == tmp_path / "cache" / "traces" / "champ_i5_p16_n8_t384.parquet"
+    (tmp_path / "dsr_sub.parquet").write_bytes(b"")
+    assert trace.default_trace_data() == "dsr_sub"
+    assert trace.default_trace_path(max_tokens=256).name == "dsr_sub_i5_p16_n8_t256.parquet"
+
+
+def test_record_trace_runs_das_rollout_without_speculation(tmp_path, monkeypatch):
+    from integrations.data import trace
+
+    calls = []
+    monkeypatch.setattr(trace.subprocess, "run", lambda cmd, check, cwd: calls.append((cmd, check, cwd)))
+    out = trace.record_trace(tmp_path / "t.parquet", data="champ", model="/m", prompts=2)
+    (cmd, check, cwd), = calls
+    assert out == tmp_path / "t.parquet" and check and cwd == trace.REPO
+    assert cmd[1:3] == ["-m", "integrations.rollout"]
+    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    assert flags == {"--data": "champ", "--method": "none", "--compare": "", "--iterations": "5", "--prompts": "2",
+                     "--samples": "8", "--max-tokens": "384", "--trace": str(out), "--model": "/m"}
+
+
+def test_cached_trace_names_a_missing_file(tmp_path, monkeypatch):
+    from integrations.data import trace
+
+    with pytest.raises(FileNotFoundError, match="no rollout trace at .*nope.parquet"):
+        trace.cached_trace(tmp_path / "nope.parquet")
+    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(trace, "record_trace", lambda *a, **k: pytest.fail("recorded"))
+    with pytest.raises(FileNotFoundError, match="no rollout trace cached at"):
+        trace.cached_trace(record=False)
+
+
+@pytest.mark.parametrize("spec, name", [(None, "champ"), ("math", "champ"), ("HumanEval", "humaneval"), ("dsr", "dsr_sub"),
+                                        ("leetcode", "leetcode_train"), ("../shared/data/dsr_sub.parquet", "dsr_sub"),
+                                        ("/x/y/leetcode_train.json", "leetcode_train")])
+def test_problem_set_name_is_short(spec, name):
+    from integrations.data.problems import problem_set_name
+
+    assert problem_set_name(spec) == name

@@ -12,50 +12,10 @@ from benchmarks.replay import load_trace, main, replay
 from integrations.data.trace import Rollout, write_trace
 
 
-def _trace(tmp_path, iterations=2, problems=2, samples=3, seed=0):
-    rng = np.random.default_rng(seed)
-    rollouts = []
-    for it in range(iterations):
-        for p in range(problems):
-            base = rng.integers(0, 9, 40).tolist()
-            prompt = [100 + p, 200, 201]
-            for s in range(samples):
-                out = [t if rng.random() < 0.8 else int(rng.integers(0, 9)) for t in base][: int(rng.integers(5, 40))]
-                rollouts.append(Rollout(it, it + 1, f"p{p}", s, prompt, out, "stop"))
-    path = tmp_path / "trace.parquet"
-    write_trace(path, rollouts)
-    return path
-
-
-class _Oracle:
-    """Drafts the true next K tokens (or nothing): acceptance is then exactly computable."""
-
-    def __init__(self, iterations, k):
-        self.k = k
-        self.outs = {(it, i): r.out_list for it, rs in enumerate(iterations) for i, r in enumerate(rs)}
-        self.pos = {}
-
-    def begin_iteration(self, v):
-        pass
-
-    def start(self, rid, prompt, pid):
-        self.pos[rid] = 0
-
-    def add(self, rid, toks):
-        self.pos[rid] += len(toks)
-
-    def propose(self, rid, ctx):
-        p = self.pos[rid]
-        return self.outs[rid][p : p + self.k]
-
-    def stop(self, rid):
-        del self.pos[rid]
-
-
 @pytest.mark.parametrize("k", [0, 1, 4])
-def test_replay_counts_verification_steps(tmp_path, k):
-    its = load_trace(_trace(tmp_path))
-    res = replay(_Oracle(its, k), its)
+def test_replay_counts_verification_steps(synthetic_trace, oracle_drafter, k):
+    its = load_trace(synthetic_trace())
+    res = replay(oracle_drafter(its, k), its)
     lens = [len(r.out_list) for rs in its for r in rs]
     # first token from prefill, then K drafted + 1 bonus token per step
     want = sum(1 + -(-(n - 1) // (k + 1)) for n in lens)
@@ -83,9 +43,9 @@ def test_ngram_is_vllm_prompt_lookup():
 
 
 @pytest.mark.slow  # the whole CLI: three drafters, grid, hindsight bound, memory, plot
-def test_main_writes_the_report(tmp_path):
+def test_main_writes_the_report(tmp_path, synthetic_trace):
     pytest.importorskip("arctic_inference.suffix_decoding")
-    trace = _trace(tmp_path)
+    trace = synthetic_trace()
     out = tmp_path / "r.json"
     assert main(["--trace", str(trace), "--json", str(out), "--grid-k", "4", "--grid-window", "1", "--repeats", "1",
                  "--no-frontier"]) == 0
@@ -100,7 +60,7 @@ def test_main_writes_the_report(tmp_path):
     assert out.with_suffix(".png").read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
 
 
-# ---- empty traces and result files (issue #13)
+# ---- empty traces and result files
 
 
 def test_replaying_an_empty_trace_is_a_clear_error(tmp_path, capsys):
@@ -116,10 +76,10 @@ def test_replaying_an_empty_trace_is_a_clear_error(tmp_path, capsys):
     assert "nothing to replay" in capsys.readouterr().err
 
 
-def test_existing_or_unwritable_report_is_refused_before_the_replay(tmp_path, capsys, monkeypatch):
+def test_existing_or_unwritable_report_is_refused_before_the_replay(tmp_path, capsys, monkeypatch, synthetic_trace):
     import benchmarks.replay as rp
 
-    trace = _trace(tmp_path)
+    trace = synthetic_trace()
     out = tmp_path / "r.json"
     out.write_text("earlier result")
     monkeypatch.setattr(rp, "load_trace", lambda path: pytest.fail("the replay started"))
@@ -129,12 +89,12 @@ def test_existing_or_unwritable_report_is_refused_before_the_replay(tmp_path, ca
     assert "cannot write" in capsys.readouterr().err
 
 
-def test_version_stride_spaces_the_policy_versions(tmp_path):
+def test_version_stride_spaces_the_policy_versions(tmp_path, synthetic_trace, oracle_drafter):
     """--version-stride N: iteration it runs at version 1 + it * N (a problem back once per epoch of N steps)."""
-    its = load_trace(_trace(tmp_path, iterations=3))
+    its = load_trace(synthetic_trace(iterations=3))
     seen = []
 
-    class _Versions(_Oracle):
+    class _Versions(oracle_drafter):
         def begin_iteration(self, v):
             seen.append(v)
 
@@ -144,7 +104,7 @@ def test_version_stride_spaces_the_policy_versions(tmp_path):
         main(["--version-stride", "0", "--trace", str(tmp_path / "trace.parquet")])
 
 
-def test_targets_are_issue_11s():
+def test_targets_compare_das_with_arctic():
     from benchmarks.replay import targets
 
     def report(das_acc, das_dpa):

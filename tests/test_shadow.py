@@ -8,28 +8,32 @@ import pytest
 
 from benchmarks import shadow
 from benchmarks.replay import load_trace, replay
-from tests.test_replay import _Oracle, _trace
 
 
-class _Named(_Oracle):
-    def __init__(self, iterations, k, name):
-        super().__init__(iterations, k)
-        self.name = name
+@pytest.fixture
+def named(oracle_drafter):
+    """Oracle drafters with a name: ``named(iterations, k, name)``, and ``named.wrong(...)``, whose
+    first draft token is changed (never accepted)."""
+
+    class Named(oracle_drafter):
+        def __init__(self, iterations, k, name):
+            super().__init__(iterations, k)
+            self.name = name
+
+    class Wrong(Named):
+        def propose(self, rid, ctx):
+            d = list(super().propose(rid, ctx))
+            return [d[0] + 1000] + d[1:] if d else d
+
+    Named.wrong = Wrong
+    return Named
 
 
-class _Wrong(_Named):
-    """The oracle's draft with its first token changed: never accepted."""
-
-    def propose(self, rid, ctx):
-        d = list(super().propose(rid, ctx))
-        return [d[0] + 1000] + d[1:] if d else d
-
-
-def test_shadows_are_counted_at_the_lead_steps(tmp_path):
-    its = load_trace(_trace(tmp_path))
-    lead = _Named(its, 2, "lead")
-    alone = replay(_Oracle(its, 2), its)
-    s = shadow.Shadowed(its, lead, [_Named(its, 4, "longer"), _Wrong(its, 2, "wrong")])
+def test_shadows_are_counted_at_the_lead_steps(synthetic_trace, oracle_drafter, named):
+    its = load_trace(synthetic_trace())
+    lead = named(its, 2, "lead")
+    alone = replay(oracle_drafter(its, 2), its)
+    s = shadow.Shadowed(its, lead, [named(its, 4, "longer"), named.wrong(its, 2, "wrong")])
     res = replay(s, its)
     assert res["verification_steps"] == alone["verification_steps"]  # the lead alone decides the steps
     c = s.counts
@@ -43,14 +47,14 @@ def test_shadows_are_counted_at_the_lead_steps(tmp_path):
     assert c["wrong"][3] == 0 and c["wrong"][2] == c["lead"][2]
 
 
-def test_shadow_names_must_differ(tmp_path):
-    its = load_trace(_trace(tmp_path))
+def test_shadow_names_must_differ(synthetic_trace, named):
+    its = load_trace(synthetic_trace())
     with pytest.raises(ValueError, match="distinct"):
-        shadow.Shadowed(its, _Named(its, 2, "a"), [_Named(its, 2, "a")])
+        shadow.Shadowed(its, named(its, 2, "a"), [named(its, 2, "a")])
 
 
-def test_main_writes_the_report(tmp_path, capsys):
-    path = _trace(tmp_path)
+def test_main_writes_the_report(tmp_path, capsys, synthetic_trace):
+    path = synthetic_trace()
     out = tmp_path / "s.json"
     assert shadow.main(["--trace", str(path), "--lead", "ngram", "--shadows", "das", "--k", "4", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())

@@ -3,32 +3,18 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from benchmarks.replay import load_trace
 from benchmarks.step_cost import Workload, main, simulate
-from integrations.data.trace import Rollout, write_trace
 
 
-def _trace(tmp_path, iterations=2, problems=2, samples=3, seed=0):
-    rng = np.random.default_rng(seed)
-    rollouts = []
-    for it in range(iterations):
-        for p in range(problems):
-            base = rng.integers(0, 9, 60).tolist()
-            prompt = [100 + p, 200, 201]
-            for s in range(samples):
-                out = [t if rng.random() < 0.8 else int(rng.integers(0, 9)) for t in base][: int(rng.integers(5, 60))]
-                rollouts.append(Rollout(it, it + 1, f"p{p}", s, prompt, out, "stop"))
-    path = tmp_path / "trace.parquet"
-    write_trace(path, rollouts)
-    return path
-
-
-def test_paths_take_the_same_steps_and_rows_are_replicated(tmp_path):
-    iterations = load_trace(_trace(tmp_path))
+def test_paths_take_the_same_steps_and_rows_are_replicated(tmp_path, synthetic_trace):
+    iterations = load_trace(synthetic_trace(length=60))
     work = Workload(iterations, rows=8)
     assert work.copies == 4 and len(work.pool) == 24  # >= 3 x 8 rollouts queued, as distinct problems
     assert len({pid for pid, _, _ in work.pool}) == 8
@@ -38,9 +24,9 @@ def test_paths_take_the_same_steps_and_rows_are_replicated(tmp_path):
     assert runs[1]["wall_ns"].shape == (runs[1]["steps"],)
 
 
-def test_report(tmp_path, capsys):
+def test_report(tmp_path, capsys, synthetic_trace):
     out = tmp_path / "cost.json"
-    args = ["--trace", str(_trace(tmp_path)), "--rows", "2,4", "--rows", "2", "--repeats", "1", "--max-steps", "20"]
+    args = ["--trace", str(synthetic_trace(length=60)), "--rows", "2,4", "--rows", "2", "--repeats", "1", "--max-steps", "20"]
     assert main(args + ["--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert sorted(report["rows"]) == ["2", "4"]
@@ -53,12 +39,12 @@ def test_report(tmp_path, capsys):
 
 
 @pytest.mark.slow
-def test_the_proposer_path_drives_the_engines_proposer_through_the_same_steps(tmp_path):
+def test_the_proposer_path_drives_the_engines_proposer_through_the_same_steps(tmp_path, synthetic_trace):
     """``--paths proposer`` feeds :class:`DASProposer` as vLLM's runner does (the drafter's
     requests started and stopped by the proposer itself) and drafts what the batch verbs draft:
     on this workload the same steps and tokens (a finished request leaves the drafter one step
     later, at the proposer's next call, which can change a later draft on larger ones)."""
-    iterations = load_trace(_trace(tmp_path))
+    iterations = load_trace(synthetic_trace(length=60))
     work = Workload(iterations, rows=8)
     batch, prop = (simulate(work, path, k=8, max_steps=50) for path in ("batch", "proposer"))
     assert prop["steps"] == batch["steps"] > 0 and prop["tokens"] == batch["tokens"]
@@ -67,17 +53,17 @@ def test_the_proposer_path_drives_the_engines_proposer_through_the_same_steps(tm
 
 
 @pytest.mark.slow
-def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_there(tmp_path, capsys):
+def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_there(tmp_path, capsys, synthetic_trace):
     """``--prices C_BASE,C_TOK`` runs the proposer path with the ``cost`` budget on that line:
     dearer tokens keep fewer drafts (fewer tokens per row and step), the drafts stop at the
     step's price (``cut_steps``), and the report says so; without ``--paths proposer`` it is refused."""
-    iterations = load_trace(_trace(tmp_path))
+    iterations = load_trace(synthetic_trace(length=60))
     work = Workload(iterations, rows=8)
     free, dear = (simulate(work, "proposer", k=8, max_steps=50, prices=p) for p in ((0.02, 0.0), (0.02, 0.0012)))
     assert free["proposer"]["cut_steps"] == 0 and dear["proposer"]["cut_steps"] > 0
     assert free["tokens"] / free["steps"] > dear["tokens"] / dear["steps"]
     out = tmp_path / "priced.json"
-    trace = str(_trace(tmp_path))
+    trace = str(synthetic_trace(length=60))
     args = ["--trace", trace, "--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "proposer"]
     assert main(args + ["--prices", "0.02,0.001", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
@@ -88,7 +74,7 @@ def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_ther
     assert main(args + ["--prices", "0.02"]) == 2
 
 
-def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys):
+def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys, synthetic_trace):
     """``benchmarks.kernel_pair`` times two versions of the mix kernel on the same steps and counts
     the steps whose drafts differ: none for a copy, some for a kernel that clips harder."""
     from pathlib import Path
@@ -101,28 +87,56 @@ def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys):
     same.write_text(src)
     assert "_CLIP = 0.002\n" in src
     other.write_text(src.replace("_CLIP = 0.002\n", "_CLIP = 0.2\n"))
-    work = Workload(load_trace(_trace(tmp_path)), rows=8)
+    work = Workload(load_trace(synthetic_trace(length=60)), rows=8)
     for path, differs in ((same, False), (other, True)):
         run = kernel_pair.paired_run(work, kernel_pair.load_kernels(path), k=8, max_steps=30, threads=1)
         assert run["base"].shape == run["new"].shape and run["base"].shape[0] > kernel_pair.SKIP
         assert (run["differ"] > 0) == differs
     out = tmp_path / "pair.json"
-    assert kernel_pair.main(["--base", str(same), "--trace", str(_trace(tmp_path)), "--rows", "4", "--max-steps", "20",
+    assert kernel_pair.main(["--base", str(same), "--trace", str(synthetic_trace(length=60)), "--rows", "4", "--max-steps", "20",
                              "--json", str(out)]) == 0
     assert json.loads(out.read_text())["steps_drafting_differently"] == 0
     assert "new / base" in capsys.readouterr().out
-    assert kernel_pair.main(["--base", str(tmp_path / "trace.parquet"), "--trace", str(_trace(tmp_path))]) == 2
+    assert kernel_pair.main(["--base", str(tmp_path / "trace.parquet"), "--trace", str(synthetic_trace(length=60))]) == 2
 
 
-def test_deferred_global_appends_run_between_steps_and_are_reported(tmp_path):
+def test_deferred_global_appends_run_between_steps_and_are_reported(tmp_path, synthetic_trace):
     """``--gpu-ms`` waits between steps (untimed) and ``defer_global`` runs the global tree's
     appends then: the report carries their time per step; the drafts read a global tree one
     step behind, so only the batch path runs (the per-row path appends at once)."""
     out = tmp_path / "cost.json"
-    args = ["--trace", str(_trace(tmp_path)), "--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch",
+    args = ["--trace", str(synthetic_trace(length=60)), "--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch",
             "--gpu-ms", "1", "--das", '{"defer_global": true}', "--json", str(out)]
     assert main(args) == 0
     report = json.loads(out.read_text())
     assert report["gpu_ms"] == 1.0 and report["das"] == {"defer_global": True}
     assert report["rows"]["4"]["deferred_ms_mean"] > 0
     assert main(args[:-2] + ["--gpu-ms", "-1"]) == 2
+
+
+def test_without_a_trace_the_default_one_is_recorded_once_then_reused(tmp_path, capsys, monkeypatch, synthetic_trace):
+    """A fresh clone has no cached trace: step_cost records the benchmarks' default one (the real
+    model's run is stood in for by a copy of a small trace) and reuses it afterwards."""
+    import integrations.data.trace as trace_mod
+
+    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "cache"))
+    src = synthetic_trace(length=60)
+    recorded = []
+
+    def record(path, data=None, model=None, **record):
+        recorded.append(Path(path))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, path)
+        return Path(path)
+
+    monkeypatch.setattr(trace_mod, "record_trace", record)
+    args = ["--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch"]
+    out = tmp_path / "out.json"
+    assert main(args + ["--json", str(out)]) == 0
+    assert recorded == [trace_mod.default_trace_path()]
+    assert json.loads(out.read_text())["trace"]["path"] == str(recorded[0])
+    assert main(args + ["--no-record"]) == 0 and len(recorded) == 1  # cached now
+    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "empty"))
+    capsys.readouterr()
+    assert main(args + ["--no-record"]) == 2 and len(recorded) == 1
+    assert "no rollout trace cached at" in capsys.readouterr().err

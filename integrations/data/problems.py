@@ -561,6 +561,23 @@ def load_problems(spec: str | os.PathLike | None, limit: int | None = None) -> l
     return load_leetcode_json(s, limit)
 
 
+def problem_set_name(spec: str | os.PathLike | None) -> str:
+    """A short name of the problem set ``spec`` names, for titles and labels: ``"champ"`` or
+    ``"humaneval"`` for the embedded sets, else the file's stem (``"dsr_sub"`` for
+    ``../shared/data/dsr_sub.parquet`` and for the short name ``dsr_sub``). Nothing is read."""
+    if spec is None:
+        return "champ"
+    key = os.fspath(spec).strip()
+    low = key.lower()
+    if low in ("champ", "math"):
+        return "champ"
+    if low in ("humaneval", "human_eval", "human-eval", "code"):
+        return "humaneval"
+    if low in SHARED_FILES:
+        return Path(SHARED_FILES[low]).stem
+    return Path(key).stem or key
+
+
 def problem_source(spec: str | os.PathLike | None) -> str:
     """Where :func:`load_problems` would read ``spec`` from, checked without reading it.
 

@@ -15,11 +15,16 @@ column             type                 meaning
 =================  ===================  ==================================================
 
 Traces are generated data: write them to a cache or output directory, never to the repository.
+The benchmarks that replay a trace share one cached trace (:func:`cached_trace`): the DSR-sub
+problems where the shared data file is present, else the embedded CHAMP problems, recorded with
+the real model the first time it is needed (:func:`record_trace`).
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,3 +189,80 @@ def read_trace(path: str | Path) -> list[Rollout]:
         if any(t is None for seq in cols[name] for t in seq):
             raise ValueError(f"{path}: column {name!r} has null token ids")
     return [Rollout(**{n: cols[n][i] for n in SCHEMA.names}) for i in range(table.num_rows)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the benchmarks' cached trace
+
+#: What :func:`record_trace` records by default: rollout iterations, problems per iteration,
+#: samples per problem (a GRPO group) and the most output tokens of a rollout.
+RECORD = {"iterations": 5, "prompts": 16, "samples": 8, "max_tokens": 384}
+REPO = Path(__file__).resolve().parents[2]
+
+
+def trace_cache_dir() -> Path:
+    """``<cache>/traces`` (``$DAS_CACHE_DIR``, else ``~/.cache/das``). Not created here."""
+    from integrations.data.models import default_cache_dir
+
+    return default_cache_dir() / "traces"
+
+
+def default_trace_data() -> str:
+    """The problem set of the default trace: ``"dsr_sub"`` where its file is present
+    (:func:`integrations.data.problems.shared_data_dir`), else the embedded ``"champ"``."""
+    from integrations.data.problems import SHARED_FILES, shared_data_dir
+
+    return "dsr_sub" if (shared_data_dir() / SHARED_FILES["dsr_sub"]).is_file() else "champ"
+
+
+def default_trace_path(data: str | None = None, **record: int) -> Path:
+    """Where the trace of ``data`` (default :func:`default_trace_data`) recorded with ``record``
+    (keys of :data:`RECORD`) is cached, e.g. ``~/.cache/das/traces/dsr_sub_i5_p16_n8_t384.parquet``."""
+    rec = {**RECORD, **record}
+    name = Path(data or default_trace_data()).stem
+    return trace_cache_dir() / f"{name}_i{rec['iterations']}_p{rec['prompts']}_n{rec['samples']}_t{rec['max_tokens']}.parquet"
+
+
+def record_trace(path: str | Path, data: str | None = None, model: str | None = None, **record: int) -> Path:
+    """Record a trace at ``path`` with the real model: ``das-rollout --method none --compare ''
+    --trace PATH`` in a subprocess (no speculation, so the rollouts are the policy's own samples).
+
+    Args:
+        path: the ``.parquet`` file to write.
+        data: the problems, as ``das-rollout --data`` takes them (default :func:`default_trace_data`).
+        model: a local model directory (default: das-rollout's, SmolLM2-135M-Instruct).
+        record: overrides of :data:`RECORD`.
+
+    Raises:
+        subprocess.CalledProcessError: das-rollout failed (its own message is on stderr).
+    """
+    rec = {**RECORD, **record}
+    cmd = [sys.executable, "-m", "integrations.rollout", "--data", data or default_trace_data(), "--method", "none",
+           "--compare", "", "--iterations", str(rec["iterations"]), "--prompts", str(rec["prompts"]),
+           "--samples", str(rec["samples"]), "--max-tokens", str(rec["max_tokens"]), "--trace", str(path)]
+    if model:
+        cmd += ["--model", model]
+    print("recording a rollout trace (once; it is cached):", " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, check=True, cwd=REPO)
+    return Path(path)
+
+
+def cached_trace(path: str | Path | None = None, *, record: bool = True, model: str | None = None) -> Path:
+    """The trace a benchmark replays: ``path`` when given, else :func:`default_trace_path`,
+    recorded first with :func:`record_trace` when it is not cached yet.
+
+    Raises:
+        FileNotFoundError: ``path`` was given and does not exist, or the default trace is not
+            cached and ``record`` is False; the message names the file.
+    """
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"no rollout trace at {path}")
+        return path
+    path = default_trace_path()
+    if not path.is_file():
+        if not record:
+            raise FileNotFoundError(f"no rollout trace cached at {path}")
+        record_trace(path, model=model)
+    return path
