@@ -132,3 +132,44 @@ def verify_draft_pairs(vllm_patches):
     """:func:`_verify_draft_pairs`, with the patches installed."""
     return _verify_draft_pairs
 
+
+# ---- code rewards: a problem and its solution, and a machine without bubblewrap
+
+TWO_SUM_TESTS = """
+def check(candidate):
+    assert candidate([2, 7, 11, 15], 9) == [0, 1]
+    assert candidate([3, 2, 4], 6) == [1, 2]
+
+check(Solution().twoSum)
+"""
+TWO_SUM_OK = """class Solution:
+    def twoSum(self, nums: List[int], target: int) -> List[int]:
+        seen = {}
+        for i, x in enumerate(nums):
+            if target - x in seen:
+                return [seen[target - x], i]
+            seen[x] = i
+"""
+
+
+@pytest.fixture
+def two_sum():
+    """LeetCode's Two Sum: ``tests`` (a ``check(Solution().twoSum)`` harness) and a correct solution ``ok``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tests=TWO_SUM_TESTS, ok=TWO_SUM_OK)
+
+
+@pytest.fixture
+def without_bwrap(monkeypatch):
+    """A machine without bubblewrap: ``shutil.which("bwrap")`` finds nothing, and the sandbox
+    probes are forgotten before and after (so no other test sees this one's verdict)."""
+    import shutil
+
+    from integrations.rl import code_sandbox
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
+    code_sandbox.forget_probes()
+    yield
+    code_sandbox.forget_probes()
