@@ -36,8 +36,8 @@ PATCH = Patch(
     name="kernel_scan",
     kind="bug fix",
     summary="vLLM's kernel-override scan skips objects that fake __dict__ (llvmlite's ffi.lib), so LLM() starts after numba",
-    upstream="not reported upstream: found by this project, and nothing here can reach vLLM's tracker; "
-             "a candidate report (vllm/triton_utils/dispatcher.py, the scan in _rebind_kernels)",
+    upstream="not reported upstream: found by this project; a report (vllm/triton_utils/dispatcher.py, "
+             "the scan in _rebind_kernels) is still to be filed",
     versions=("0.32.0",),
     cpu_only=True,
     expects={SCAN: "(overrides)"},
