@@ -118,9 +118,9 @@ def main(argv: list[str] | None = None) -> int:
         cpu_runtime.reexec_with_iomp()
     rollout_args = args.rollout_args[1:] if args.rollout_args[:1] == ["--"] else args.rollout_args
     from integrations import rollout
-    from integrations.vllm_ext import fixes
+    from integrations.vllm_ext import patches
 
-    fixes.apply()  # vLLM's modules as the engine will run them, before the runner is wrapped
+    patches.apply()  # vLLM's modules as the engine will run them, before the runner is wrapped
     steps: list[dict] = []
     _instrument(steps)
     rc = rollout.main(rollout_args)

@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.verification [--vocab 49152] [--acceptance 0.4] [--repeats 50]``
 
-Times ``integrations.vllm_ext.lazy_rejection.rejection_sample`` (what das installs into vLLM
+Times ``integrations.vllm_ext.patches.lazy_rejection.rejection_sample`` (what das installs into vLLM
 on the CPU build; vLLM's rejection sampler calls it once per engine step) for point-mass drafts
 (n-gram, suffix and DAS drafts carry no probabilities) at several batch shapes (rows x draft
 tokens per row), on synthetic target logits where each draft token has probability
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 0.0 < args.acceptance < 1.0:
         parser.error(f"--acceptance must be in (0, 1), got {args.acceptance}")
-    from integrations.vllm_ext import lazy_rejection
+    from integrations.vllm_ext.patches import lazy_rejection
 
     print(f"rejection_sample, ms per call (median of {args.repeats}); vocab {args.vocab}, draft-token probability "
           f"{args.acceptance}, torch threads {torch.get_num_threads()}")

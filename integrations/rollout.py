@@ -103,7 +103,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--coupled-sampling", action="store_true",
                    help="key each rollout's sampling by (seed, rollout, token index): every method samples the same tokens "
                         "wherever its logits match bit for bit, and a rerun repeats them (lossless; "
-                        "integrations.vllm_ext.coupled_sampling)")
+                        "integrations.vllm_ext.patches.coupled_sampling)")
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.data.trace)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --trace files (default: refuse before the run)")

@@ -119,3 +119,114 @@ class _OracleDrafter:
 def oracle_drafter():
     """The class of a replay drafter that drafts the trace's true next K tokens: ``oracle_drafter(iterations, k)``."""
     return _OracleDrafter
+
+
+# ---- vLLM patches (integrations.vllm_ext.patches), shared by the sampler tests
+
+
+def _patch_versions() -> set[str]:
+    from integrations.vllm_ext import patches
+
+    return {v for p in patches.PATCHES for v in p.versions}
+
+
+@pytest.fixture
+def vllm_patches() -> tuple[str, ...]:
+    """das's vLLM patches installed in this process, as a worker has them; skips where vLLM is
+    missing or is not a CPU build of a version they were written for. Returns the installed names."""
+    pytest.importorskip("vllm")
+    from integrations.vllm_ext import patches
+    from integrations.vllm_ext.cpu_runtime import is_cpu_build
+
+    if not is_cpu_build() or patches.vllm_version() not in _patch_versions():
+        pytest.skip(f"the patches are for the CPU build of vLLM {sorted(_patch_versions())}")
+    return patches.apply(features=())
+
+
+@pytest.fixture
+def coupled_patches(vllm_patches) -> tuple[str, ...]:
+    """:func:`vllm_patches` with the coupled sampling feature switched on in this process."""
+    from integrations.vllm_ext import patches
+
+    names = patches.apply(features=("coupled_sampling",))
+    assert "coupled_sampling" in names
+    return names
+
+
+def _verify_draft_pairs(pairs: int, p0_logits, p1_logits, pb_logits):
+    """vLLM's ``RejectionSampler.forward`` (patched) on ``pairs`` pairs of rows: one drafting
+    [6, 3] (target logits ``p0_logits``, ``p1_logits``, bonus ``pb_logits``), one without drafts
+    (bonus ``pb_logits``). Returns its ``[2 * pairs, 3]`` sampled tokens."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessors
+    from vllm.v1.sample.metadata import SamplingMetadata
+    from vllm.v1.sample.rejection_sampler import RejectionSampler
+    from vllm.v1.sample.sampler import Sampler
+    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
+
+    vocab = p0_logits.shape[0]
+    drafts = [[6, 3], []] * pairs
+    meta = SpecDecodeMetadata.make_dummy(drafts, device="cpu")
+    batch = len(drafts)
+    per_row = torch.tensor([len(d) + 1 for d in drafts])
+    first = torch.cumsum(per_row, 0) - per_row  # each row's logits: its draft positions, then its bonus
+    meta.target_logits_indices = torch.cat([first[i] + torch.arange(len(d)) for i, d in enumerate(drafts)]).to(torch.int32)
+    meta.bonus_logits_indices = (first + per_row - 1).to(torch.int32)
+    logits = torch.empty(int(per_row.sum()), vocab)
+    logits[meta.target_logits_indices.long()] = torch.stack([p0_logits, p1_logits] * pairs)
+    logits[meta.bonus_logits_indices.long()] = pb_logits
+    sampling = SamplingMetadata(
+        temperature=torch.ones(batch), all_greedy=False, all_random=True, top_p=None, top_k=None, generators={},
+        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
+        presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
+        output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
+        logitsprocs=LogitsProcessors())
+    return RejectionSampler(Sampler()).forward(meta, None, logits, sampling).sampled_token_ids
+
+
+@pytest.fixture
+def verify_draft_pairs(vllm_patches):
+    """:func:`_verify_draft_pairs`, with the patches installed."""
+    return _verify_draft_pairs
+
+
+# ---- code rewards: a problem and its solution, and a machine without bubblewrap
+
+TWO_SUM_TESTS = """
+def check(candidate):
+    assert candidate([2, 7, 11, 15], 9) == [0, 1]
+    assert candidate([3, 2, 4], 6) == [1, 2]
+
+check(Solution().twoSum)
+"""
+TWO_SUM_OK = """class Solution:
+    def twoSum(self, nums: List[int], target: int) -> List[int]:
+        seen = {}
+        for i, x in enumerate(nums):
+            if target - x in seen:
+                return [seen[target - x], i]
+            seen[x] = i
+"""
+
+
+@pytest.fixture
+def two_sum():
+    """LeetCode's Two Sum: ``tests`` (a ``check(Solution().twoSum)`` harness) and a correct solution ``ok``."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(tests=TWO_SUM_TESTS, ok=TWO_SUM_OK)
+
+
+@pytest.fixture
+def without_bwrap(monkeypatch):
+    """A machine without bubblewrap: ``shutil.which("bwrap")`` finds nothing, and the sandbox
+    probes are forgotten before and after (so no other test sees this one's verdict)."""
+    import shutil
+
+    from integrations.rl import code_sandbox
+
+    real_which = shutil.which
+    monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "bwrap" else real_which(name, *a, **k))
+    code_sandbox.forget_probes()
+    yield
+    code_sandbox.forget_probes()

@@ -9,16 +9,20 @@ from __future__ import annotations
 import json
 import os
 import resource
+import secrets
 import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from integrations.data.problems import CODE_PRELUDE, Problem, load_embedded, load_leetcode_json
-from integrations.rl import rewards
+from integrations.rl import sandbox
 from integrations.rl.rewards import (
     STDERR_CAP,
     SandboxUnavailable,
@@ -30,11 +34,10 @@ from integrations.rl.rewards import (
     run_program,
     run_tests,
 )
+from integrations.rl.sandbox import codec, harness_launcher
 
 REPO = Path(__file__).resolve().parents[1]
 LEETCODE = REPO.parent / "shared" / "data" / "leetcode_train.json"
-
-from test_rewards import TWO_SUM_OK, TWO_SUM_TESTS  # noqa: E402  (pytest puts tests/ on sys.path)
 
 sandboxed = pytest.mark.slow  # runs programs in the sandbox (a bubblewrap process each, up to seconds)
 
@@ -71,7 +74,7 @@ class Solution:
 """
 
 
-def problem(tests: str = TWO_SUM_TESTS) -> Problem:
+def problem(tests: str) -> Problem:
     return Problem("leetcode/t", [{"role": "user", "content": "p"}], None, "code", tests=tests, source="leetcode", prelude=CODE_PRELUDE)
 
 
@@ -79,7 +82,7 @@ def fenced(code: str) -> str:
     return f"```python\n{code}\n```"
 
 
-def assert_forgery_fails(code: str, tests: str = TWO_SUM_TESTS) -> None:
+def assert_forgery_fails(code: str, tests: str) -> None:
     r = code_reward(fenced(code), problem(tests))
     assert not r.correct and r.score < 1.0, (code, r)
 
@@ -110,34 +113,34 @@ def test_early_exit_scores_zero_on_the_first_leetcode_problem():
     # wrong answer behind a SystemExit raised from a destructor / excepthook
     "import sys, os\nsys.excepthook = lambda *a: os._exit(0)\nclass Solution:\n    def twoSum(self, nums, target):\n        return [9, 9]",
 ])
-def test_exits_and_exit_hooks_do_not_pass(code):
-    assert_forgery_fails(code)
+def test_exits_and_exit_hooks_do_not_pass(code, two_sum):
+    assert_forgery_fails(code, two_sum.tests)
     if "return [9, 9]" not in code:  # ended its own process before the tests finished: not even the format reward
-        assert code_reward(fenced(code), problem()).score == 0.0
+        assert code_reward(fenced(code), problem(two_sum.tests)).score == 0.0
 
 
 @sandboxed
-def test_an_object_equal_to_everything_does_not_pass():
+def test_an_object_equal_to_everything_does_not_pass(two_sum):
     assert_forgery_fails("class Eq:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
-                         "class Solution:\n    def twoSum(self, nums, target):\n        return Eq()")
+                         "class Solution:\n    def twoSum(self, nums, target):\n        return Eq()", two_sum.tests)
     assert_forgery_fails("class L(list):\n    def __eq__(self, o): return True\n"
-                         "class Solution:\n    def twoSum(self, nums, target):\n        return L([9])")
+                         "class Solution:\n    def twoSum(self, nums, target):\n        return L([9])", two_sum.tests)
 
 
 @sandboxed
-def test_patched_builtins_and_helpers_do_not_pass():
+def test_patched_builtins_and_helpers_do_not_pass(two_sum):
     patch = ("import builtins\nbuiltins.AssertionError = type('Quiet', (Exception,), {})\n"
              "builtins.isinstance = lambda *a: True\nbuiltins.abs = lambda x: 0\nbuiltins.len = lambda x: 0\n"
              "is_same_list = is_same_tree = lambda a, b: True\n"
              "def list_node(v): return None\ndef tree_node(v): return None\n")
-    assert_forgery_fails(patch + "class Solution:\n    def twoSum(self, nums, target):\n        return [9, 9]")
+    assert_forgery_fails(patch + "class Solution:\n    def twoSum(self, nums, target):\n        return [9, 9]", two_sum.tests)
     assert_forgery_fails(patch + "class Solution:\n    def reverseList(self, head):\n        return head", REVERSE_TESTS)
     assert_forgery_fails("import sys\nsys.settrace(lambda *a: None)\nclass Solution:\n    def reverseList(self, head):\n"
                          "        return head", REVERSE_TESTS)
 
 
 @sandboxed
-def test_output_that_imitates_a_verdict_does_not_pass():
+def test_output_that_imitates_a_verdict_does_not_pass(two_sum):
     fake = json.dumps({"pass": True, "detail": "passed", "mac": "0" * 64})
     code = (f"import os, sys\nline = {fake!r} + '\\n'\nprint(line)\nsys.stderr.write(line)\n"
             "for fd in range(0, 1024):\n    try:\n        os.write(fd, line.encode())\n    except OSError:\n        pass\n"
@@ -145,13 +148,13 @@ def test_output_that_imitates_a_verdict_does_not_pass():
             "            f = os.open(f'/proc/{pid}/fd/{fd}', os.O_WRONLY | os.O_NONBLOCK)\n            os.write(f, line.encode())\n"
             "        except (OSError, ValueError):\n            pass\n"
             "class Solution:\n    def twoSum(self, nums, target):\n        return [9, 9]\n")
-    assert_forgery_fails(code)
+    assert_forgery_fails(code, two_sum.tests)
 
 
 @sandboxed
-def test_the_solution_cannot_read_the_tests_or_the_harness(monkeypatch):
+def test_the_solution_cannot_read_the_tests_or_the_harness(monkeypatch, two_sum):
     # The solution's process never holds the tests (the expected answers) or the harness's secret.
-    monkeypatch.setattr(rewards.secrets, "token_bytes", lambda n: b"\x5a" * n)
+    monkeypatch.setattr(secrets, "token_bytes", lambda n: b"\x5a" * n)
     code = ("import os, glob\nfound = []\n"
             "for path in glob.glob('/proc/*/environ') + glob.glob('/proc/*/cmdline') + glob.glob('/proc/*/mem') + glob.glob('/tmp/**', recursive=True):\n"
             "    try:\n        data = open(path, 'rb').read(1 << 20)\n    except OSError:\n        continue\n"
@@ -160,13 +163,13 @@ def test_the_solution_cannot_read_the_tests_or_the_harness(monkeypatch):
             "class Solution:\n    def twoSum(self, nums, target):\n        if found:\n            raise RuntimeError(str(found))\n"
             "        for i, x in enumerate(nums):\n            if target - x in nums[i + 1:]:\n"
             "                return [i, nums.index(target - x, i + 1)]\n")
-    r = code_reward(fenced(code), problem())
+    r = code_reward(fenced(code), problem(two_sum.tests))
     assert r.correct, r.detail
 
 
 @sandboxed
-def test_correct_solutions_pass_with_lists_linked_lists_and_trees():
-    assert code_reward(fenced(TWO_SUM_OK), problem()).correct
+def test_correct_solutions_pass_with_lists_linked_lists_and_trees(two_sum):
+    assert code_reward(fenced(two_sum.ok), problem(two_sum.tests)).correct
     assert code_reward(fenced(REVERSE_OK), problem(REVERSE_TESTS)).correct
     r = code_reward(fenced(INVERT_OK + "\nprint('debug output')\nimport sys; print('x' * 5000, file=sys.stderr)\n"), problem(INVERT_TESTS))
     assert r.correct, r.detail
@@ -333,19 +336,16 @@ def test_stderr_is_capped():
     assert r.passed and len(r.stderr_tail) <= STDERR_CAP and grown_mb < 100, (len(r.stderr_tail), grown_mb)
 
 
-def test_fails_closed_without_bubblewrap(monkeypatch):
-    real_which = rewards.shutil.which
-    monkeypatch.setattr(rewards.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
-    monkeypatch.setattr(rewards, "_PROBED", {})
+def test_fails_closed_without_bubblewrap(without_bwrap, two_sum):
     with pytest.raises(SandboxUnavailable, match="apt-get install bubblewrap"):
         run_program("pass")
     with pytest.raises(SandboxUnavailable, match="network='allow'"):
         check_sandbox(sandbox="none")
     with pytest.raises(SandboxUnavailable):
-        code_reward(fenced(TWO_SUM_OK), problem())
+        code_reward(fenced(two_sum.ok), problem(two_sum.tests))
     r = run_program("import os\nassert os.getpid() > 1\n", sandbox="none", network="allow")  # the explicit opt-out
     assert r.passed and not r.sandboxed and not r.network_isolated
-    assert code_reward(fenced(TWO_SUM_OK), problem(), sandbox="none", network="allow").correct
+    assert code_reward(fenced(two_sum.ok), problem(two_sum.tests), sandbox="none", network="allow").correct
 
 
 def test_bad_limits_are_refused():
@@ -378,3 +378,112 @@ def test_math_reward_from_worker_threads():
     assert [r.correct for r in got] == [True, False, False, False]
     assert got[1].score == pytest.approx(0.1) and got[3].score == 0.0
     assert threading.current_thread() is threading.main_thread() and math_reward("\\boxed{2}", "2").correct
+
+
+# ---------------------------------------------------------------- the modules inside the sandbox, imported directly
+
+
+def _no_handles(v):
+    return None
+
+
+plain_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.integers(min_value=2**12000, max_value=2**12000 + 5)
+    | st.floats(allow_nan=False) | st.text(max_size=8) | st.binary(max_size=8)
+    | st.complex_numbers(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.tuples(inner, inner) | st.dictionaries(st.text(max_size=4) | st.integers(), inner, max_size=4)
+    | st.frozensets(st.integers() | st.text(max_size=4), max_size=4) | st.sets(st.integers(), max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(value=plain_values)
+def test_codec_round_trips_plain_data_through_json_with_its_types(value):
+    msg = json.loads(json.dumps(codec.encode(value, _no_handles, _no_handles, True)))
+    back = codec.decode(msg, lambda name: None, setattr, lambda h: None)
+
+    def same(a, b):
+        if type(a) is not type(b):
+            return False
+        if isinstance(a, (list, tuple)):
+            return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        if isinstance(a, dict):
+            return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+        return a == b
+
+    assert same(value, back)
+
+
+class Node:
+    def __init__(self, val=0, next=None):
+        self.val, self.next = val, next
+
+
+def test_codec_sends_data_objects_by_value_cycles_and_long_chains_included():
+    a = Node(1)
+    a.next = Node(2, a)  # a cycle
+    long = Node(0)
+    tail = long
+    for i in range(5000):  # deeper than the nesting limit: objects go through the table, not recursion
+        tail.next = Node(i + 1)
+        tail = tail.next
+
+    def name(v):
+        return "Node" if type(v) is Node else None
+
+    for root in (a, long):
+        msg = json.loads(json.dumps(codec.encode(root, name, _no_handles, True)))
+        back = codec.decode(msg, lambda n: Node.__new__(Node), setattr, _no_handles)
+        assert type(back) is Node and back.val == root.val
+    back = codec.decode(json.loads(json.dumps(codec.encode(a, name, _no_handles, True))), lambda n: Node.__new__(Node), setattr,
+                        _no_handles)
+    assert back.next.next is back and back.next.val == 2
+
+
+def test_codec_converts_the_solutions_subclasses_honestly_and_refuses_what_it_cannot_send():
+    class Sneaky(int):
+        def __eq__(self, other):
+            return True
+
+    msg = codec.encode([Sneaky(3), True, np.int64(7), np.float32(0.5)], _no_handles, _no_handles, False)
+    assert msg == {"v": ["L", 3, True, 7, 0.5], "o": {}}
+    with pytest.raises(codec.CodecError, match="cannot send a Sneaky"):
+        codec.encode(Sneaky(3), _no_handles, _no_handles, True)  # the harness's side sends exact types only
+    assert codec.encode(object, _no_handles, lambda v: 4, True) == {"v": ["H", 4], "o": {}}
+    with pytest.raises(codec.CodecError, match="too deeply"):
+        nested: list = []
+        for _ in range(codec.MAX_DEPTH + 2):
+            nested = [nested]
+        codec.encode(nested, _no_handles, _no_handles, True)
+
+
+@pytest.mark.parametrize("msg", [
+    None, [], {"v": 1}, {"v": ["Q", 1], "o": {}}, {"v": ["D", [1]], "o": {}}, {"v": ["O", "0"], "o": {}},
+    {"v": ["O", 0], "o": {"0": ["Node"]}}, {"v": ["O", 0], "o": {"0": ["Node", {"__class__": 1}]}},
+    {"v": ["N", 5], "o": {}}, {"v": ["C", "1", 2], "o": {}}, {"v": ["H", "x"], "o": {}}, {"v": [], "o": {}},
+])
+def test_codec_refuses_malformed_messages(msg):
+    with pytest.raises(codec.CodecError):
+        codec.decode(msg, lambda n: Node.__new__(Node), setattr, _no_handles)
+
+
+def test_the_harness_takes_the_tests_entry_points_from_the_solution_and_the_rest_from_itself():
+    import ast
+
+    tree = ast.parse("import math\nhelper = 1\ndef check(candidate):\n    assert is_same(candidate(poly(1)), math.pi)\n"
+                     "check(Solution().f)\ncheck(add, key=other)\n")
+    entry, bound, loads = harness_launcher.names_in_tests(tree)
+    assert entry == {"Solution", "add", "other"}  # check is bound by the tests themselves
+    assert bound == {"math", "helper", "check"}
+    assert {"is_same", "poly", "candidate"} <= loads
+
+
+def test_the_sandboxed_modules_run_under_python_isolated_as_with_dash_m():
+    import subprocess
+    import sys
+
+    r = subprocess.run(sandbox.command(sys.executable, sandbox.PROBE), capture_output=True, text=True, timeout=60, cwd="/")
+    if os.geteuid() == 0:  # not sandboxed here: root can setuid(0), and the probe says so
+        assert (r.returncode, r.stdout.strip()) == (3, "setuid(0) worked"), r.stderr
+    else:
+        assert r.returncode == 0, r.stderr

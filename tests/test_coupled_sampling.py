@@ -1,4 +1,4 @@
-"""Coupled sampling (integrations.vllm_ext.coupled_sampling): a keyed request's token at index ``i``
+"""Coupled sampling (integrations.vllm_ext.patches.coupled_sampling): a keyed request's token at index ``i``
 is the inverse CDF of the target distribution at the uniform of ``(key, i)``, whether a plain step
 samples it, verification accepts it as a draft token, emits it at a rejection or samples it as a
 bonus token; and the tokens still follow the target distribution (chi-square over many keys).
@@ -11,9 +11,11 @@ import types
 import numpy as np
 import pytest
 import torch
-from test_lazy_rejection import verify_draft_pairs  # pytest puts tests/ on sys.path
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from integrations.vllm_ext import coupled_sampling as cs
+from integrations.vllm_ext.patches import coupled_sampling as cs
+from integrations.vllm_ext.patches.inverse_cdf import BLOCK, inverse_cdf
 
 
 def test_index_uniforms_are_deterministic_uniform_and_differ_between_neighbours():
@@ -40,16 +42,6 @@ def test_request_key_reads_only_a_non_negative_int():
     assert cs.request_key(None) == -1
 
 
-def _vllm_cpu_fixes():
-    pytest.importorskip("vllm")
-    from integrations.vllm_ext import fixes as vllm_fixes
-    from integrations.vllm_ext.cpu_runtime import is_cpu_build
-
-    if not is_cpu_build() or vllm_fixes.vllm_version() not in vllm_fixes.TESTED_VLLM_VERSIONS:
-        pytest.skip("fixes apply to the tested CPU build only")
-    assert vllm_fixes.apply()
-
-
 def _plain_sample(logits: torch.Tensor, keys: np.ndarray, index: np.ndarray) -> torch.Tensor:
     """What a plain step samples for keyed rows: the inverse CDF at the uniform of the token's index."""
     return cs.sample_rows(logits, torch.from_numpy(cs.index_uniforms(keys, index)))
@@ -60,13 +52,34 @@ def test_inverse_cdf_follows_the_distribution_and_never_picks_zero_weight():
     probs = torch.zeros(1000)
     probs[[3, 255, 256, 511, 700, 999]] = torch.tensor([0.1, 0.2, 0.05, 0.3, 0.15, 0.2])  # across 4 blocks, the last partial
     n = 40000
-    tokens = cs.inverse_cdf(probs.expand(n, 1000).clone(), torch.rand(n, dtype=torch.float64))
+    tokens = inverse_cdf(probs.expand(n, 1000).clone(), torch.rand(n, dtype=torch.float64))
     counts = torch.bincount(tokens, minlength=1000).float()
     assert counts[probs == 0].sum() == 0
     expected = probs * n
     mask = probs > 0
     assert float((((counts - expected) ** 2 / expected)[mask]).sum()) < 25.7  # chi2(5) 99.99th percentile
-    assert torch.equal(cs.inverse_cdf(torch.zeros(2, 1000), torch.tensor([0.3, 0.9], dtype=torch.float64)), torch.tensor([-1, -1]))
+    assert torch.equal(inverse_cdf(torch.zeros(2, 1000), torch.tensor([0.3, 0.9], dtype=torch.float64)), torch.tensor([-1, -1]))
+
+
+@settings(max_examples=100, deadline=None)
+@given(weights=st.lists(st.sampled_from([0.0, 0.0, 1e-6, 0.3, 1.0, 7.0]), min_size=1, max_size=3 * BLOCK + 5),
+       u=st.floats(0.0, 1.0, exclude_max=True))
+def test_inverse_cdf_returns_the_token_whose_cumulative_range_holds_u(weights, u):
+    """The token at quantile ``u`` is the first whose cumulative weight exceeds ``u`` times the
+    total (float64 reference), never one of weight 0; a row without mass gives -1."""
+    probs = torch.tensor(weights, dtype=torch.float32)
+    got = int(inverse_cdf(probs[None, :], torch.tensor([u], dtype=torch.float64))[0])
+    w = np.asarray(weights, np.float64)
+    if w.sum() == 0:
+        assert got == -1
+        return
+    assert w[got] > 0
+    cdf = np.cumsum(w)
+    x = u * cdf[-1]
+    want = int(np.searchsorted(cdf, x, side="right"))
+    lo, hi = sorted((got, want))
+    if got != want:  # float32 block sums may move a boundary a hair: only to the next token of positive weight
+        assert w[lo + 1 : hi].sum() == 0 and abs(x - cdf[lo]) <= 1e-5 * cdf[-1], (got, want, x, cdf[lo])
 
 
 VOCAB = 8
@@ -75,9 +88,9 @@ P1 = torch.tensor([0.0, 2.5, -1.0, 1.0, 0.0, 0.0, -2.0, 0.5])
 PB = torch.tensor([-1.0, 0.0, 1.0, 2.0, 0.5, -0.5, 0.0, 1.5])
 
 
-def _verify_keyed(pairs: int, keys: np.ndarray, next_index: np.ndarray):
-    """vLLM's RejectionSampler with the fixes, on rows drafting [6, 3] (logits P0, P1, bonus PB)
-    and rows without drafts (bonus PB), with the step's keys set as the model runner sets them."""
+def _verify_keyed(verify_draft_pairs, pairs: int, keys: np.ndarray, next_index: np.ndarray):
+    """vLLM's RejectionSampler, patched, on rows drafting [6, 3] (logits P0, P1, bonus PB) and rows
+    without drafts (bonus PB), with the step's keys set as the model runner's hook sets them."""
     cs.begin_step(keys, next_index)
     try:
         return verify_draft_pairs(pairs, P0, P1, PB)
@@ -92,12 +105,12 @@ def _chi2(tokens: torch.Tensor, logits: torch.Tensor) -> float:
     return float((((counts - expected) ** 2) / expected.clamp(min=1e-12))[mask].sum())
 
 
-def test_verification_emits_the_plain_samples_of_each_index():
-    _vllm_cpu_fixes()
+@pytest.mark.slow  # imports vLLM
+def test_verification_emits_the_plain_samples_of_each_index(verify_draft_pairs):
     pairs = 300
     keys = np.arange(2 * pairs, dtype=np.int64) * 7919 + 11
     n = np.arange(2 * pairs, dtype=np.int64) % 50 + 20  # each row's verified tokens: the index of its next token
-    out = _verify_keyed(pairs, keys, n)
+    out = _verify_keyed(verify_draft_pairs, pairs, keys, n)
     drafting, plain = out[0::2].long(), out[1::2].long()
     kd, nd, kp, np_ = keys[0::2], n[0::2], keys[1::2], n[1::2]
     at0 = _plain_sample(P0.expand(pairs, VOCAB), kd, nd)  # what plain steps would sample at n, n + 1, n + 2
@@ -111,14 +124,14 @@ def test_verification_emits_the_plain_samples_of_each_index():
     assert torch.all(drafting[~ok0, 1] == -1) and torch.all(drafting[ok0 & ~both, 2] == -1)
     assert torch.equal(plain[:, 0], _plain_sample(PB.expand(pairs, VOCAB), kp, np_))  # rows without drafts: index n
     assert 0 < int(ok0.sum()) < pairs and 0 < int(both.sum())  # both outcomes happened
-    assert torch.equal(out, _verify_keyed(pairs, keys, n))  # the same keys: the same tokens, whatever torch's generator
+    assert torch.equal(out, _verify_keyed(verify_draft_pairs, pairs, keys, n))  # the same keys: the same tokens, whatever torch's generator
 
 
-def test_keyed_verification_keeps_the_target_distribution():
-    _vllm_cpu_fixes()
+@pytest.mark.slow
+def test_keyed_verification_keeps_the_target_distribution(verify_draft_pairs):
     pairs = 12000
     keys = np.arange(2 * pairs, dtype=np.int64) + 10**9
-    out = _verify_keyed(pairs, keys, np.full(2 * pairs, 40, np.int64))
+    out = _verify_keyed(verify_draft_pairs, pairs, keys, np.full(2 * pairs, 40, np.int64))
     drafting, plain = out[0::2], out[1::2]
     ok0 = drafting[:, 0] == 6
     both = ok0 & (drafting[:, 1] == 3)
@@ -129,8 +142,8 @@ def test_keyed_verification_keeps_the_target_distribution():
     assert _chi2(wrong[ok0], P1) > 30.0
 
 
-def test_plain_steps_sample_keyed_rows_at_their_next_index_and_others_as_before():
-    _vllm_cpu_fixes()
+@pytest.mark.slow
+def test_plain_steps_sample_keyed_rows_at_their_next_index_and_others_as_before(vllm_patches):
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     sampler = types.SimpleNamespace(use_fp64_gumbel=False, logprobs_mode="raw_logprobs")
@@ -171,10 +184,12 @@ def test_a_speculative_engine_samples_the_rollouts_of_a_plain_one(peaked_tiny_mo
         return [list(o.outputs[0].token_ids) for o in outs]
 
     base = make_llm(peaked_tiny_model, "none", dtype="float32", max_model_len=128)
+    assert all(cs.enable(base))  # a feature: on only when asked for
     expected = [generate(base, s) for s in (1, 2)]
     del base
     release_engine_state()
     llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6, das_config={"budget": "fixed"})
+    assert all(cs.enable(llm))
     got = []
     for version, seed in ((1, 1), (2, 2)):  # the second iteration drafts from the first one's rollouts
         control.begin_iteration(llm, version)
@@ -186,17 +201,42 @@ def test_a_speculative_engine_samples_the_rollouts_of_a_plain_one(peaked_tiny_mo
 
 
 def test_the_model_runner_hook_reads_each_rows_key_once_and_its_next_index():
-    from integrations.vllm_ext.fixes import _step_keys
-
     def state(extra):
         return types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args=extra))
 
     requests = {"a": state({cs.KEY_ARG: 5}), "b": state({"das_problem_id": "p"}), "c": state({cs.KEY_ARG: 9})}
     runner = types.SimpleNamespace(requests=requests, input_batch=types.SimpleNamespace(
         req_ids=["c", "b", "a"], num_tokens_no_spec=np.array([30, 12, 7, 0], np.int32)))
-    keys, nxt = _step_keys(runner)
+    keys, nxt = cs.step_keys(runner)
     assert keys.tolist() == [9, -1, 5] and nxt.tolist() == [30, 12, 7] and nxt.dtype == np.int64
     requests["c"].sampling_params.extra_args = {cs.KEY_ARG: 1}  # read once per request: the first key stays
-    assert _step_keys(runner)[0].tolist() == [9, -1, 5]
+    assert cs.step_keys(runner)[0].tolist() == [9, -1, 5]
     runner.input_batch.req_ids = ["b"]
-    assert _step_keys(runner) == (None, None)  # no keyed row: nothing to record
+    assert cs.step_keys(runner) == (None, None)  # no keyed row: nothing to record
+
+
+def test_the_hook_keys_only_the_step_it_wraps():
+    seen = []
+
+    def sample(runner, logits, metadata):
+        seen.append((cs.active(), cs.row_uniforms(2) is not None))
+        return "sampled"
+
+    hooked = cs.keyed_sampling(sample)
+    state = types.SimpleNamespace(sampling_params=types.SimpleNamespace(extra_args={cs.KEY_ARG: 3}))
+    runner = types.SimpleNamespace(requests={"a": state, "b": types.SimpleNamespace(sampling_params=None)},
+                                   input_batch=types.SimpleNamespace(req_ids=["a", "b"], num_tokens_no_spec=np.array([4, 9])))
+    assert hooked(runner, "logits", None) == "sampled" and seen == [(True, True)]
+    assert not cs.active()  # forgotten after the step
+
+
+def test_enable_says_what_to_do_when_vllm_will_not_send_workers_a_function(monkeypatch):
+    class MultiprocessLLM:
+        def collective_rpc(self, fn):
+            raise TypeError("Object of type <class 'function'> is not serializable")
+
+    monkeypatch.delenv("DAS_VLLM_FEATURES", raising=False)
+    with pytest.raises(RuntimeError, match="DAS_VLLM_FEATURES=coupled_sampling"):
+        cs.enable(MultiprocessLLM())
+    monkeypatch.setenv("DAS_VLLM_FEATURES", "coupled_sampling")  # the workers got it at their start
+    assert cs.enable(MultiprocessLLM()) == []

@@ -302,12 +302,9 @@ def test_an_existing_or_unwritable_log_is_refused_before_anything_starts(tmp_pat
         run(None, overrides=["log.trace=/tmp/t.csv"])
 
 
-def test_code_data_without_a_sandbox_stops_before_the_engine(tiny_model, monkeypatch, no_engine):
+def test_code_data_without_a_sandbox_stops_before_the_engine(tiny_model, no_engine, without_bwrap):
     from integrations.rl import rewards
     from integrations.rl.grpo import run
 
-    real_which = rewards.shutil.which
-    monkeypatch.setattr(rewards.shutil, "which", lambda name: None if name == "bwrap" else real_which(name))
-    monkeypatch.setattr(rewards, "_PROBED", {})
     with pytest.raises(rewards.SandboxUnavailable, match="bubblewrap"):
         run(None, overrides=[f"model={tiny_model}", "data=humaneval", "pool=8", "log.json=null"])

@@ -1,4 +1,5 @@
-"""Lazy-recovery rejection sampling keeps the target distribution (integrations.vllm_ext.lazy_rejection).
+"""Lazy-recovery rejection sampling keeps the target distribution (integrations.vllm_ext.patches.lazy_rejection),
+and bonus tokens sampled after verification are the ones vLLM's order gives (patches.lazy_bonus).
 
 Speculative sampling with point-mass drafts must emit, at each position, a token distributed as
 the target distribution ``p``: the first output token of a row is ``~ p_0`` whatever the draft, and
@@ -12,8 +13,12 @@ import types
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from integrations.vllm_ext import lazy_rejection as lazy
+from integrations.vllm_ext.patches import lazy_bonus
+from integrations.vllm_ext.patches import lazy_rejection as lazy
+from integrations.vllm_ext.patches.patch import call_signature, patched_by
 
 
 def _meta(batch, *, greedy_rows=(), generators=None):
@@ -127,65 +132,101 @@ def test_mixed_greedy_and_random_rows():
     assert out.tolist() == [[2, 5], [4, -1]]
 
 
-def test_draft_probabilities_and_seeded_requests_go_to_the_fallback():
+def test_draft_probabilities_seeded_requests_and_fly_go_to_vllms_sampler():
     calls = []
 
     def fallback(*args, **kwargs):
-        calls.append(args)
+        calls.append(kwargs)
         return torch.zeros(1, 2, dtype=torch.int32)
 
-    saved = lazy._fallback
-    lazy.set_fallback(fallback)
+    saved = lazy.set_fallback(fallback)
     try:
         logits = torch.randn(1, 4)
         args = (torch.tensor([1], dtype=torch.int32), [1], 1, torch.tensor([1], dtype=torch.int32))
         lazy.rejection_sample(*args, torch.full((1, 4), 0.25), logits, torch.tensor([[0]]), _meta(1))
         lazy.rejection_sample(*args, None, logits, torch.tensor([[0]]), _meta(1, generators={0: torch.Generator()}))
+        # FLy on (vLLM 0.33): its arguments reach vLLM's sampler, which alone implements it
+        lazy.rejection_sample(*args, None, logits, torch.tensor([[0]]), _meta(1), fly_window_size=2,
+                              fly_entropy_threshold=0.3, fly_entropy_top_k=5)
+        # FLy off (window None): the lazy path, whatever the other two say
+        out = lazy.rejection_sample(*args, None, logits, torch.tensor([[3]]), _meta(1), fly_entropy_threshold=0.3,
+                                    fly_entropy_top_k=5)
     finally:
         lazy.set_fallback(saved)
-    assert len(calls) == 2
+    assert len(calls) == 3 and out.shape == (1, 2)
+    assert "fly_window_size" not in calls[0]  # vLLM 0.32's sampler has no fly_* arguments
+    assert {k: calls[2][k] for k in ("fly_window_size", "fly_entropy_threshold", "fly_entropy_top_k")} == {
+        "fly_window_size": 2, "fly_entropy_threshold": 0.3, "fly_entropy_top_k": 5}
 
 
-def test_installed_into_vllm_on_the_cpu_build():
-    pytest.importorskip("vllm")
-    from integrations.vllm_ext import fixes as vllm_fixes
-    from integrations.vllm_ext.cpu_runtime import is_cpu_build
+# vLLM 0.33.0's rejection_sample (vllm/v1/sample/rejection_sampler.py), as call_signature writes it
+VLLM_0_33_REJECTION_SAMPLE = (
+    "(draft_token_ids, num_draft_tokens, max_spec_len, cu_num_draft_tokens, draft_probs, target_logits, bonus_token_ids, "
+    "sampling_metadata, synthetic_mode=False, synthetic_conditional_rates=None, use_fp64_gumbel=False, "
+    "fly_window_size=None, fly_entropy_threshold=None, fly_entropy_top_k=3)")
 
-    if not is_cpu_build() or vllm_fixes.vllm_version() not in vllm_fixes.TESTED_VLLM_VERSIONS:
-        pytest.skip("fixes apply to the tested CPU build only")
-    assert vllm_fixes.apply()
+
+def test_the_lazy_sampler_takes_every_argument_vllm_0_33_passes():
+    assert call_signature(lazy.rejection_sample) == VLLM_0_33_REJECTION_SAMPLE
+    assert VLLM_0_33_REJECTION_SAMPLE.startswith(lazy.PATCH.expects[lazy.TARGET][:-1] + ", ")  # 0.32's is its prefix
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data(), counts=st.lists(st.integers(0, 4), min_size=1, max_size=6), greedy=st.booleans())
+def test_each_row_is_an_accepted_prefix_then_one_token_then_padding(data, counts, greedy):
+    """Whatever the logits: a row emits a prefix of its draft, then exactly one token (the bonus
+    token when the whole draft was accepted, else a recovered token other than the rejected draft
+    token, the argmax for greedy rows), then -1; greedy rows accept exactly the argmax prefix."""
+    vocab, rows, n = 7, len(counts), sum(counts)
+    torch.manual_seed(data.draw(st.integers(0, 2**16)))
+    logits = torch.randn(n, vocab) * data.draw(st.sampled_from([0.5, 3.0, 8.0]))
+    drafts = torch.tensor(data.draw(st.lists(st.integers(0, vocab - 1), min_size=n, max_size=n)), dtype=torch.int32)
+    bonus = torch.arange(100, 100 + rows).reshape(rows, 1)
+    cu = torch.tensor(counts).cumsum(0).to(torch.int32)
+    meta = _meta(rows, greedy_rows=tuple(range(rows)) if greedy else ())
+    out = lazy.rejection_sample(drafts, counts, max(counts), cu, None, logits, bonus, meta)
+    assert out.shape == (rows, max(counts) + 1)
+    start = 0
+    for r, c in enumerate(counts):
+        row, d = out[r].tolist(), drafts[start:start + c].tolist()
+        a = 0
+        while a < c and row[a] == d[a]:
+            a += 1
+        argmax = logits[start:start + c].argmax(-1).tolist()
+        if greedy:
+            want = next((i for i in range(c) if d[i] != argmax[i]), c)
+            assert a == want
+        if a == c:
+            assert row[c] == 100 + r
+        else:
+            assert row[a] != d[a] and 0 <= row[a] < vocab
+            if greedy:
+                assert row[a] == argmax[a]
+        assert all(t == lazy.PLACEHOLDER_TOKEN_ID for t in row[a + 1:])
+        start += c
+
+
+@pytest.mark.slow  # imports vLLM
+def test_installed_into_vllm_on_the_cpu_build(vllm_patches):
     from vllm.v1.sample import rejection_sampler
 
-    assert rejection_sampler.rejection_sample is lazy.rejection_sample
+    assert "lazy_rejection" in vllm_patches and rejection_sampler.rejection_sample is lazy.rejection_sample
 
 
-def _vllm_cpu_fixes():
-    pytest.importorskip("vllm")
-    from integrations.vllm_ext import fixes as vllm_fixes
-    from integrations.vllm_ext.cpu_runtime import is_cpu_build
-
-    if not is_cpu_build() or vllm_fixes.vllm_version() not in vllm_fixes.TESTED_VLLM_VERSIONS:
-        pytest.skip("fixes apply to the tested CPU build only")
-    assert vllm_fixes.apply()
-
-
-def test_bonus_rows_only_gives_the_kept_rows_the_tokens_of_the_full_call():
-    _vllm_cpu_fixes()
+@pytest.mark.slow
+def test_bonus_rows_only_gives_the_kept_rows_the_tokens_of_the_full_call(vllm_patches):
     from vllm.v1.sample.ops.topk_topp_sampler import TopKTopPSampler
 
     wrapped = TopKTopPSampler.forward_cpu
-    assert getattr(wrapped, "__das_fix__", False)
+    assert patched_by(wrapped, "lazy_bonus")
     sampler = types.SimpleNamespace(use_fp64_gumbel=False, logprobs_mode="raw_logprobs")
     logits = torch.randn(6, 500) * 3
     kept = torch.tensor([True, False, True, False, False, True])
     torch.manual_seed(11)
     full, _ = wrapped.__wrapped__(sampler, logits.clone(), {}, None, None)
     torch.manual_seed(11)
-    lazy._bonus_rows = kept
-    try:
+    with lazy_bonus.bonus_rows(kept):
         some, _ = wrapped(sampler, logits.clone(), {}, None, None)
-    finally:
-        lazy._bonus_rows = None
     assert torch.equal(some[kept].long(), full[kept].long())
     assert torch.all(some[~kept] == 0)
     torch.manual_seed(12)
@@ -195,15 +236,15 @@ def test_bonus_rows_only_gives_the_kept_rows_the_tokens_of_the_full_call():
     assert torch.equal(a, b)
 
 
-def test_rejection_sampler_forward_samples_bonus_tokens_from_the_bonus_distribution():
-    # Through vLLM's own RejectionSampler and Sampler with the fix installed: rows drafting
-    # [6, 3] and rows without drafts. Position 0 follows p0 (or, for rows without drafts, the
-    # bonus distribution pb); given draft 6 accepted position 1 follows p1; given both accepted
-    # the bonus token follows pb: the bonus is sampled after verification, only where used.
-    _vllm_cpu_fixes()
+@pytest.mark.slow
+def test_rejection_sampler_forward_samples_bonus_tokens_from_the_bonus_distribution(verify_draft_pairs):
+    # Through vLLM's own RejectionSampler and Sampler, patched: rows drafting [6, 3] and rows
+    # without drafts. Position 0 follows p0 (or, for rows without drafts, the bonus distribution
+    # pb); given draft 6 accepted position 1 follows p1; given both accepted the bonus token
+    # follows pb: the bonus is sampled after verification, only where used.
     from vllm.v1.sample.rejection_sampler import RejectionSampler
 
-    assert getattr(RejectionSampler.forward, "__das_fix__", False)
+    assert patched_by(RejectionSampler.forward, "lazy_bonus")
     torch.manual_seed(5)
     vocab, pairs = 8, 12000
     p0_logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, 0.3, 1.5, -0.5])
@@ -222,33 +263,3 @@ def test_rejection_sampler_forward_samples_bonus_tokens_from_the_bonus_distribut
         assert dof == 7 and stat < 30.0, (stat, dof)  # chi2(7) 99.99th percentile ~29.9
     assert torch.all(drafting[~both, 2] == lazy.PLACEHOLDER_TOKEN_ID)
     assert torch.all(plain[:, 1:] == lazy.PLACEHOLDER_TOKEN_ID)
-
-
-def verify_draft_pairs(pairs: int, p0_logits, p1_logits, pb_logits) -> torch.Tensor:
-    """vLLM's ``RejectionSampler.forward`` (with the fixes) on ``pairs`` pairs of rows: one drafting
-    [6, 3] (target logits ``p0_logits``, ``p1_logits``, bonus ``pb_logits``), one without drafts
-    (bonus ``pb_logits``). Returns its ``[2 * pairs, 3]`` sampled tokens."""
-    from vllm.v1.sample.logits_processor import LogitsProcessors
-    from vllm.v1.sample.metadata import SamplingMetadata
-    from vllm.v1.sample.rejection_sampler import RejectionSampler
-    from vllm.v1.sample.sampler import Sampler
-    from vllm.v1.spec_decode.metadata import SpecDecodeMetadata
-
-    vocab = p0_logits.shape[0]
-    drafts = [[6, 3], []] * pairs
-    meta = SpecDecodeMetadata.make_dummy(drafts, device="cpu")
-    batch = len(drafts)
-    per_row = torch.tensor([len(d) + 1 for d in drafts])
-    first = torch.cumsum(per_row, 0) - per_row  # each row's logits: its draft positions, then its bonus
-    meta.target_logits_indices = torch.cat([first[i] + torch.arange(len(d)) for i, d in enumerate(drafts)]).to(torch.int32)
-    meta.bonus_logits_indices = (first + per_row - 1).to(torch.int32)
-    logits = torch.empty(int(per_row.sum()), vocab)
-    logits[meta.target_logits_indices.long()] = torch.stack([p0_logits, p1_logits] * pairs)
-    logits[meta.bonus_logits_indices.long()] = pb_logits
-    sampling = SamplingMetadata(
-        temperature=torch.ones(batch), all_greedy=False, all_random=True, top_p=None, top_k=None, generators={},
-        max_num_logprobs=None, no_penalties=True, prompt_token_ids=None, frequency_penalties=torch.zeros(batch),
-        presence_penalties=torch.zeros(batch), repetition_penalties=torch.ones(batch),
-        output_token_ids=[[] for _ in range(batch)], allowed_token_ids_mask=None, bad_words_token_ids={},
-        logitsprocs=LogitsProcessors())
-    return RejectionSampler(Sampler()).forward(meta, None, logits, sampling).sampled_token_ids

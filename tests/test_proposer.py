@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-# No engine, but the proposer module installs the vLLM fixes when imported, which imports vLLM
-# (seconds): imported in the tests below, not at collection.
+# No engine, but importing the proposer module (numba, the drafter and its kernels) takes seconds:
+# imported in the tests below, not at collection.
 pytestmark = pytest.mark.slow
 
 

@@ -17,25 +17,9 @@ from integrations.rl.rewards import (
     score_responses,
 )
 
-TWO_SUM_TESTS = """
-def check(candidate):
-    assert candidate([2, 7, 11, 15], 9) == [0, 1]
-    assert candidate([3, 2, 4], 6) == [1, 2]
 
-check(Solution().twoSum)
-"""
-TWO_SUM_OK = """class Solution:
-    def twoSum(self, nums: List[int], target: int) -> List[int]:
-        seen = {}
-        for i, x in enumerate(nums):
-            if target - x in seen:
-                return [seen[target - x], i]
-            seen[x] = i
-"""
-
-
-def code_problem() -> Problem:
-    return Problem("leetcode/t", [{"role": "user", "content": "two sum"}], None, "code", tests=TWO_SUM_TESTS, source="leetcode", prelude=CODE_PRELUDE)
+def code_problem(tests: str) -> Problem:
+    return Problem("leetcode/t", [{"role": "user", "content": "two sum"}], None, "code", tests=tests, source="leetcode", prelude=CODE_PRELUDE)
 
 
 def fenced(code: str) -> str:
@@ -98,9 +82,9 @@ def test_extract_code_prefers_last_python_block_and_handles_truncation():
     assert extract_code("no code here") is None
 
 
-def test_code_reward_passes_and_fails():
-    p = code_problem()
-    assert code_reward(fenced(TWO_SUM_OK), p).score == 1.0
+def test_code_reward_passes_and_fails(two_sum):
+    p = code_problem(two_sum.tests)
+    assert code_reward(fenced(two_sum.ok), p).score == 1.0
     bad = code_reward(fenced("class Solution:\n    def twoSum(self, nums, target):\n        return [0, 0]"), p)
     assert (bad.correct, bad.formatted, bad.score) == (False, True, pytest.approx(0.1))
     assert "AssertionError" in bad.detail
@@ -135,11 +119,11 @@ def test_run_program_rejects_bad_network_mode():
         run_program("pass", network="maybe")
 
 
-def test_score_responses_mixes_kinds():
+def test_score_responses_mixes_kinds(two_sum):
     math_p = Problem("m/1", [{"role": "user", "content": "1+1"}], "2", "math")
-    code_p = code_problem()
+    code_p = code_problem(two_sum.tests)
     fn = make_reward_fn(format_weight=0.05)
-    rs = fn([math_p, code_p, math_p, code_p], [r"\boxed{2}", fenced(TWO_SUM_OK), r"\boxed{3}", "none"])
+    rs = fn([math_p, code_p, math_p, code_p], [r"\boxed{2}", fenced(two_sum.ok), r"\boxed{3}", "none"])
     assert [r.score for r in rs] == [1.0, 1.0, pytest.approx(0.05), 0.0]
     with pytest.raises(ValueError):
         score_responses([math_p], [])

