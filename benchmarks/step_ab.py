@@ -10,10 +10,10 @@ and tokens); only the time differs. Alternating inside one process keeps the mac
 Pairs (``--ab``):
 
 * ``owner``: which thread appends which tree in a threaded step, whatever the number of threads
-  (:data:`das.drafter.BALANCED_PARTS` set for the run). ``modulo`` deals trees by id modulo the
-  threads; ``balanced`` is :func:`das._step_kernels.balance_parts` (the threads that also carry
+  (:data:`das.step_threads.BALANCED_PARTS` set for the run). ``modulo`` deals trees by id modulo the
+  threads; ``balanced`` is :func:`das.step_kernels.balance_parts` (the threads that also carry
   the global tree's append and the learning get fewer trees).
-* ``threshold``: ``one_thread`` below 128 rows (the old :data:`das.drafter.PARALLEL_ROWS`)
+* ``threshold``: ``one_thread`` below 128 rows (the old :data:`das.step_threads.PARALLEL_ROWS`)
   against ``threads`` from 8 rows on, for steps of ``--rows`` rows.
 * ``settings``: two drafter settings, ``--a JSON`` against ``--b JSON`` (e.g. ``--a
   '{"global_depth": 12}' --b '{}'``). Their drafts may differ, so the runs of
@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-import das.drafter as drafter_module
+import das.step_threads as thread_rules
 from benchmarks.replay import load_trace
 from benchmarks.step_cost import DEFAULT_K, Workload, cpu_model, find_trace, simulate, summarize, threads_of, warm_up
 
@@ -46,13 +46,13 @@ OLD_PARALLEL_ROWS = 128
 def set_arm(arm: str) -> None:
     """Switch the drafter module's rule to ``arm`` (one of :data:`ARMS`' values)."""
     if arm == "modulo":
-        drafter_module.BALANCED_PARTS = 1 << 30
+        thread_rules.BALANCED_PARTS = 1 << 30
     elif arm == "balanced":
-        drafter_module.BALANCED_PARTS = 2
+        thread_rules.BALANCED_PARTS = 2
     elif arm == "one_thread":
-        drafter_module.PARALLEL_ROWS = OLD_PARALLEL_ROWS
+        thread_rules.PARALLEL_ROWS = OLD_PARALLEL_ROWS
     elif arm == "threads":
-        drafter_module.PARALLEL_ROWS = 8
+        thread_rules.PARALLEL_ROWS = 8
     elif arm in ("a", "b"):
         pass  # the arms differ in their drafter settings (run_pair's ``settings``)
     else:
@@ -76,7 +76,7 @@ def run_pair(iterations, ab: str, rows: int, repeats: int, k: int = DEFAULT_K, m
                          f"settings={settings!r}")
     per_arm = {a: {**(config or {}), **(settings or {}).get(a, {})} for a in ARMS[ab]}
     arms = ARMS[ab]
-    saved = (drafter_module.BALANCED_PARTS, drafter_module.PARALLEL_ROWS)
+    saved = (thread_rules.BALANCED_PARTS, thread_rules.PARALLEL_ROWS)
     work = Workload(iterations, rows)
     runs: dict[str, list] = {a: [] for a in arms}
     try:
@@ -85,7 +85,7 @@ def run_pair(iterations, ab: str, rows: int, repeats: int, k: int = DEFAULT_K, m
                 set_arm(arm)
                 runs[arm].append(simulate(work, "batch", k, max_steps, per_arm[arm]))
     finally:
-        drafter_module.BALANCED_PARTS, drafter_module.PARALLEL_ROWS = saved
+        thread_rules.BALANCED_PARTS, thread_rules.PARALLEL_ROWS = saved
     groups = list(runs.values()) if ab == "settings" else [[r for rs in runs.values() for r in rs]]
     for group in groups:
         done = {(r["steps"], r["tokens"]) for r in group}

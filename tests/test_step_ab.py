@@ -6,21 +6,22 @@ import json
 
 import pytest
 
-import das.drafter as drafter_module
+import das.step_threads as thread_rules
 from benchmarks.replay import load_trace
 from benchmarks.step_ab import main, run_pair, set_arm
+from das import DASDrafter
 from tests.test_step_cost import _trace
 
 
 @pytest.mark.parametrize("ab", ["owner", "threshold"])
 def test_both_arms_take_the_same_steps_and_the_rules_are_restored(tmp_path, ab):
-    before = (drafter_module.BALANCED_PARTS, drafter_module.PARALLEL_ROWS)
+    before = (thread_rules.BALANCED_PARTS, thread_rules.PARALLEL_ROWS)
     arms = run_pair(load_trace(_trace(tmp_path)), ab, rows=16, repeats=2, max_steps=30, config={"draft_threads": 2})
     assert len(arms) == 2
     (a, sa), (b, sb) = arms.items()
     assert sa["steps"] == sb["steps"] > 0
     assert len(sa["run_p50_ms"]) == len(sb["run_p50_ms"]) == 2
-    assert (drafter_module.BALANCED_PARTS, drafter_module.PARALLEL_ROWS) == before
+    assert (thread_rules.BALANCED_PARTS, thread_rules.PARALLEL_ROWS) == before
 
 
 def test_a_bad_pair_or_arm_names_the_choices():
@@ -43,13 +44,13 @@ def test_the_settings_pair_runs_each_arm_with_its_own_settings(tmp_path, monkeyp
     """``settings``: arm a and arm b build their drafters from their own settings (here the
     global tree's depth), and the report names them."""
     made = []
-    real = drafter_module.DASDrafter.__init__
+    real = DASDrafter.__init__
 
     def spy(self, *args, **kwargs):
         made.append(kwargs.get("global_depth"))
         real(self, *args, **kwargs)
 
-    monkeypatch.setattr(drafter_module.DASDrafter, "__init__", spy)
+    monkeypatch.setattr(DASDrafter, "__init__", spy)
     settings = {"a": {"global_depth": 12}, "b": {"global_depth": 4}}
     arms = run_pair(load_trace(_trace(tmp_path)), "settings", rows=16, repeats=2, max_steps=20, settings=settings)
     assert set(arms) == {"a", "b"} and all(s["steps"] > 0 for s in arms.values())
