@@ -24,10 +24,10 @@ from typing import Any
 import numpy as np
 from numba import njit
 
-from das import _numba_cache
-from das import _trie_kernels as kernels
+from das import numba_cache
+from das import trie_kernels as kernels
 
-_numba_cache.register(__file__)  # its kernels inline the trie's helpers: cached with the kernel modules' stamps
+numba_cache.register(__file__)  # its kernels inline the trie's helpers: cached with the kernel modules' stamps
 
 
 class DASAdapter:

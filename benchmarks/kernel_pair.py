@@ -2,7 +2,7 @@
 
 ``python -m benchmarks.kernel_pair --base PATH [--trace PATH] [--rows 256] [--threads N] [--k 16]``
 
-``PATH`` is another version of ``das/_mix_kernels.py`` (e.g. ``git show HEAD:das/_mix_kernels.py >
+``PATH`` is another version of ``das/mix_kernels.py`` (e.g. ``git show HEAD:das/mix_kernels.py >
 /tmp/base_mix.py``). A cloud VM can drift by tens of percent between runs of one command (and
 in spells within one), which hides a change of a few percent between two runs of
 ``benchmarks.step_cost`` (docs/benchmarks.md, "Measurement notes"). So this runs the ``batch`` path of ``benchmarks.step_cost``'s workload
@@ -36,8 +36,8 @@ SKIP = 5  # first steps left out: the kernels load from numba's disk cache on th
 
 
 def load_kernels(path: Path):
-    """``path`` (a version of ``das/_mix_kernels.py``) as a module of its own."""
-    spec = importlib.util.spec_from_file_location("das._mix_kernels_pair_base", path)
+    """``path`` (a version of ``das/mix_kernels.py``) as a module of its own."""
+    spec = importlib.util.spec_from_file_location("das.mix_kernels_pair_base", path)
     if spec is None or spec.loader is None:
         raise ValueError(f"--base {str(path)!r} is not a Python file")
     mod = importlib.util.module_from_spec(spec)
@@ -45,7 +45,7 @@ def load_kernels(path: Path):
     spec.loader.exec_module(mod)
     for name in ("mix_batch", "mix_batch_parallel"):
         if not hasattr(mod, name):
-            raise ValueError(f"--base {str(path)!r} has no {name}: expected a version of das/_mix_kernels.py")
+            raise ValueError(f"--base {str(path)!r} has no {name}: expected a version of das/mix_kernels.py")
     return mod
 
 
@@ -53,8 +53,8 @@ def paired_run(work: Workload, base, k: int, max_steps: int, threads: int) -> di
     """The ``batch`` path of ``work`` with every step drafted by both kernels (see the module
     docstring). Returns the per-step times in seconds (``base``, ``new``: ``float64[steps]``)
     and ``differ``, the steps whose drafts differed."""
-    from das import _mix_kernels as new
     from das import drafter as drafter_module
+    from das import mix_kernels as new
 
     times: dict[str, list[float]] = {"base": [], "new": []}
     differ = [0]
@@ -87,7 +87,7 @@ def paired_run(work: Workload, base, k: int, max_steps: int, threads: int) -> di
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.kernel_pair", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base", required=True, help="another version of das/_mix_kernels.py")
+    p.add_argument("--base", required=True, help="another version of das/mix_kernels.py")
     p.add_argument("--trace", default=None, help="rollout trace (parquet); default: as benchmarks.step_cost (recorded if missing)")
     p.add_argument("--rows", type=int, default=256, help="running requests")
     p.add_argument("--threads", type=int, default=1, help="draft threads (the drafter's draft_threads)")

@@ -38,8 +38,8 @@ step) is timed apart (``lifecycle_ms_mean``), as it is not per-row work.
 Both paths make the same drafts (checked: the runs must take the same number of steps). Each
 path runs ``--repeats`` times, interleaved; as every repeat does exactly the same work step by
 step, a step's time is its fastest over the repeats (which filters out other processes' noise).
-The garbage collector is off while timing. From ``das.drafter.PARALLEL_ROWS`` rows on the batch
-path drafts on the drafter's ``draft_threads`` (default: :func:`das.drafter.default_draft_threads`,
+The garbage collector is off while timing. From ``das.step_threads.PARALLEL_ROWS`` rows on the batch
+path drafts on the drafter's ``draft_threads`` (default: :func:`das.host.default_draft_threads`,
 this machine's physical cores per GPU, at most 16, or without a GPU at most 8; ``--das
 '{"draft_threads": 1}'`` for one), printed in the header.
 
@@ -75,7 +75,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.replay import load_trace
-from das.drafter import PARALLEL_ROWS
+from das.step_threads import PARALLEL_ROWS
 
 DEFAULT_ROWS = (16, 64, 256, 1024)
 DEFAULT_K = 16

@@ -6,12 +6,14 @@
 * :class:`DASConfig`: the drafter and speculation-budget settings, their defaults and ranges (:mod:`das.config`).
 """
 
-from das import _numba_cache
+from das import numba_cache
 
-_numba_cache.install()  # before the kernel modules' first @njit(cache=True): their caches expire together
+numba_cache.install()  # before the kernel modules' first @njit(cache=True): their caches expire together
 
 from das.config import DASConfig  # noqa: E402
-from das.drafter import DASDrafter, DraftBatch, problem_id  # noqa: E402
-from das.suffix_tree import Draft, SuffixTree, empty_draft  # noqa: E402
+from das.draft import Draft, DraftBatch, empty_draft  # noqa: E402
+from das.drafter import DASDrafter  # noqa: E402
+from das.problem_store import problem_id  # noqa: E402
+from das.suffix_tree import SuffixTree  # noqa: E402
 
 __all__ = ["DASConfig", "DASDrafter", "Draft", "DraftBatch", "SuffixTree", "empty_draft", "problem_id"]

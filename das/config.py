@@ -10,8 +10,9 @@ expected, e.g. ``additional_config['das']['window'] must be an int >= 1, got 0``
 Keys (see each field's description): drafter ``window``, ``decay``, ``keep_visits``, ``age_in_visits``, ``max_depth``,
 ``max_spec_factor``, ``min_token_prob``, ``max_problems``, ``use_request_tree``, ``prior``, ``chooser``,
 ``global_rollouts``, ``global_depth``, ``mix_lr``, ``draft_threads``, ``defer_global``;
-budget ``budget`` (a proposer budget of :mod:`scheduler.budgets`), ``c_base`` and ``c_tok``
-(seconds, both or neither).
+budget ``budget`` (the name of a speculation budget, checked here only as a non-empty string:
+:mod:`scheduler` resolves it, and refuses an unknown one, when the proposer builds its budget; the
+drafter does not depend on the scheduler), ``c_base`` and ``c_tok`` (seconds, both or neither).
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from typing import Any, Literal
 
 import annotated_types as at
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-
-from scheduler import budgets as _budgets
 
 __all__ = ["CHOOSERS", "DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "das_config", "expected"]
 
@@ -61,21 +60,23 @@ class DASConfig(BaseModel):
     mix_lr: float = Field(0.1, gt=0, description="AdaGrad step size of the mix chooser's online logistic regression")
     draft_threads: int = Field(0, ge=0, description="threads that append and draft a step's rows at once (steps of 16 rows or "
                                "more, as vLLM's n-gram proposer); 0: this machine's physical cores per GPU, at most 16, or "
-                               "without a GPU at most 8 (das.drafter.default_draft_threads)")
+                               "without a GPU at most 8 (das.host.default_draft_threads)")
     defer_global: bool | None = Field(None, description="leave a step's appends to the global tree (and its stopped requests' removals "
                                       "there) to a background thread that "
                                       "runs while the accelerator verifies (the step's drafts read that tree one step behind); "
                                       "None: on where the engine runs on a GPU, off on a CPU engine (the thread would take a core "
                                       "from the forward pass)")
-    budget: str = Field("cost", description="speculation budget, one of scheduler.budgets (proposer): "
-                                            + _budgets.describe("proposer"))
+    budget: str = Field("cost", description="speculation budget: the per-step draft rule the vLLM proposer runs, by its "
+                                            "name in scheduler.budgets (checked there when the proposer builds it)")
     c_base: float | None = Field(None, gt=0, description="fixed step cost in seconds (with c_tok): used instead of the online fit")
     c_tok: float | None = Field(None, ge=0, description="step cost per token in seconds (with c_base): used instead of the online fit")
 
     @field_validator("budget")
     @classmethod
-    def _known_budget(cls, v: str) -> str:
-        return _budgets.resolve(v, "proposer")
+    def _budget_name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("a budget name must not be blank")
+        return v
 
     @model_validator(mode="after")
     def _costs_together(self) -> DASConfig:
@@ -104,7 +105,7 @@ def expected(key: str) -> str:
     """What ``key`` must be, in words, from the schema (e.g. ``"an int >= 1"``, ``"a number in (0, 1]"``)."""
     f = DASConfig.model_fields[key]
     if key == "budget":
-        return f"one of {list(_budgets.names('proposer'))}"
+        return "a budget name (a non-empty string)"
     if key == "chooser":
         return f"one of {list(CHOOSERS)}"
     ann = f.annotation
@@ -160,8 +161,6 @@ def explain(exc: ValidationError, where: str, name: Callable[[str], str]) -> str
             out.append(f"unknown key {name(key)}; expected some of {sorted(DASConfig.model_fields)}")
         elif key is None:  # a rule over several keys
             out.append(f"{where}: {e['msg'].removeprefix('Value error, ')}")
-        elif key == "budget" and e["type"] == "value_error":
-            out.append(f"{name(key)}: {e['msg'].removeprefix('Value error, ')}")
         else:
             out.append(f"{name(key)} must be {expected(key)}, got {e['input']!r}")
     return "; ".join(out)

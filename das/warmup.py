@@ -2,12 +2,11 @@
 
 numba compiles a kernel on its first call in a process with new argument types, or loads it from
 its cache on disk. Where that cache is missing or stale (a fresh install; an update, after which
-:mod:`das._numba_cache` expires every kernel together) the first calls compile, about 30 s in all
-on a 2-core Zen 4 (first ``start_request`` 4.7 s, ``add_tokens_batch`` 6.6 s and 3.3 s,
-``speculate_batch`` 12.2 s and 3.5 s, below and from :data:`das.drafter.PARALLEL_ROWS` rows).
-Inside a vLLM engine those first calls are the first decode steps of the first rollout
-iteration: with a stale cache that iteration spent 8-12 s in the proposer instead of 0.4 s, and
-ran at 0.89x a plain engine's tokens per second (benchmarks/README.md, "Kernels compiled at engine
+:mod:`das.numba_cache` expires every kernel together) the first calls compile: tens of seconds
+in all (``start_request``, ``add_tokens_batch`` and ``speculate_batch``, below and from
+:data:`das.step_threads.PARALLEL_ROWS` rows). Inside a vLLM engine those first calls are the
+first decode steps of the first rollout iteration, which then spends seconds compiling in the
+proposer and runs slower than a plain engine (benchmarks/README.md, "Kernels compiled at engine
 start").
 
 :func:`warm_up` runs a small synthetic workload through the verbs the vLLM proposer
@@ -17,8 +16,8 @@ engine drafter's settings: start, append, draft and stop requests below and from
 ``PARALLEL_ROWS`` rows, trees that outgrow their first buffers and hash tables, a policy version
 that advances until the window expires old rollouts, and a global tree that lets its oldest go.
 Then every kernel of that path is compiled or loaded when the engine starts, and its steps run at
-their own speed from the first one. With a warm cache it takes about 0.6 s (loading
-the kernels from disk, which the first steps did before).
+their own speed from the first one. With a warm cache it takes under a second (loading the
+kernels from disk, which the first steps would do otherwise).
 """
 
 from __future__ import annotations
@@ -27,7 +26,8 @@ import time
 
 import numpy as np
 
-from das.drafter import PARALLEL_ROWS, DASDrafter
+from das.drafter import DASDrafter
+from das.step_threads import PARALLEL_ROWS
 
 K = 8  # draft tokens asked per row and step
 
@@ -67,7 +67,7 @@ def warm_up(**drafter_kwargs) -> float:
             settings take the same kernel paths: ``chooser``, ``defer_global``, ``draft_threads``).
 
     Returns:
-        Seconds it took (about 30 s when the kernels compile, under a second when they load).
+        Seconds it took (tens of seconds when the kernels compile, under a second when they load).
 
     Raises:
         ValueError: bad ``drafter_kwargs``, as :class:`das.drafter.DASDrafter` raises them.

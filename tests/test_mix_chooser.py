@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from das import DASDrafter, suffix_tree
-from das import _mix_kernels as mixing
-from das import _trie_kernels as kernels
+from das import mix_kernels as mixing
+from das import trie_kernels as kernels
 
 PROMPT = [101, 102, 103]
 
@@ -90,15 +90,15 @@ def test_outcome_tables_carry_what_the_policy_did_with_a_draft_token_to_other_pr
             accepted += outcome == "accepted"
             d.add_tokens(pid, [8, 99] if outcome == "accepted" else [50])
         d.stop_request(pid)
-    assert drafted >= 3 and d._outcomes[0, 8].tolist() == [accepted, drafted]
+    assert drafted >= 3 and d._mixer.outcomes[0, 8].tolist() == [accepted, drafted]
     for table in (1, 2):  # one pair row, (7, 8); one support profile (8 deep in the problem and request trees)
-        assert d._outcomes[table].sum(axis=0).tolist() == [accepted, drafted]
-        assert np.count_nonzero(d._outcomes[table, :, 1]) == 1
+        assert d._mixer.outcomes[table].sum(axis=0).tolist() == [accepted, drafted]
+        assert np.count_nonzero(d._mixer.outcomes[table, :, 1]) == 1
     pid = "new"
     _start_on_new_problem(d, pid, rollouts=1)
     one = np.array([1], np.int64)
     with_counts = d.speculate_batch([pid], one, min_prob=0.0)
-    d._outcomes[:] = 0.0
+    d._mixer.outcomes[:] = 0.0
     without = d.speculate_batch([pid], one, min_prob=0.0)
     assert with_counts.tokens[0].tolist() == without.tokens[0].tolist() == [8]
     with_counts, without = float(with_counts.probs[0, 0]), float(without.probs[0, 0])
@@ -149,8 +149,8 @@ def test_the_global_tree_is_global_depth_deep_and_drafts_from_contexts_that_long
         return d
 
     deep, shallow = drafter(4), drafter(2)
-    assert deep._global.max_depth == 4 and shallow._global.max_depth == 2
-    assert DASDrafter(max_depth=6, global_depth=12)._global.max_depth == 6
+    assert deep._global.tree.max_depth == 4 and shallow._global.tree.max_depth == 2
+    assert DASDrafter(max_depth=6, global_depth=12)._global.tree.max_depth == 6
     for first, nxt in ((50, 53), (54, 55)):
         for d in (deep, shallow):
             d.start_request(("new", first), [300, 1])
@@ -182,7 +182,7 @@ def test_the_longest_context_feeds_the_input_of_its_count_level(rollouts, level)
     d = DASDrafter(global_rollouts=0)
     _start_on_new_problem(d, "p", rollouts=rollouts)
     assert d.speculate("p", 4).tokens.tolist()[:1] == [8]
-    x = d._dx[d._handles_of(["p"])[0], 0]  # the first draft token's inputs, pending until verified
+    x = d._mixer.pending_inputs[d._requests.handles["p"], 0]  # the first draft token's inputs, pending until verified
     slots = [mixing.LONGEST + lv * mixing.NT for lv in range(mixing.COUNT_LEVELS)]  # scope 0: the problem tree
     assert [x[g] != 0.0 for g in slots] == [lv == level for lv in range(mixing.COUNT_LEVELS)]
 
@@ -205,7 +205,7 @@ def test_every_draft_position_reads_one_locus_per_match_length_bucket():
         return mixing._STRETCH[min(int(count / (total + d.prior) * mixing._LEVELS), mixing._LEVELS - 1)]
 
     one_locus = [0.0, stretch(3, 3), stretch(3, 7)]  # no locus; a context only the 7s follow; "6", "5 6", "4 5 6"
-    x = d._dx[d._handles_of(["r"])[0], 3, 1 : 1 + mixing.NB]  # the fourth draft token's problem-tree inputs
+    x = d._mixer.pending_inputs[d._requests.handles["r"], 3, 1 : 1 + mixing.NB]  # the fourth draft token's problem-tree inputs
     assert all(np.isclose(one_locus, v).any() for v in x), x
     assert np.isclose(x, stretch(3, 7)).sum() == 3  # buckets 1, 2 and 3-4: "6", "5 6", "4 5 6"
 
@@ -259,9 +259,9 @@ def test_live_rollouts_of_other_problems_draft_through_the_global_tree():
             mat = np.array([[101, 102, *out], [201, 202, 7, 8] + [0] * (len(out) - 2)], np.int32)
             d.add_tokens_batch(["a", "b"], mat, None, np.array([2 + len(out), 4]))
         assert d.speculate("b", 4).tokens.tolist()[:3] == [9, 10, 11]
-        assert d._global.num_sequences == 2 and d.stats()["global_rollouts"] == 0
+        assert d._global.tree.num_sequences == 2 and d.stats()["global_rollouts"] == 0
         d.stop_request("a")
-        assert d._global.num_sequences == 2 and d.stats()["global_rollouts"] == 1
+        assert d._global.tree.num_sequences == 2 and d.stats()["global_rollouts"] == 1
         d._check_batch_state()
     alone = DASDrafter(global_rollouts=0)  # without a global tree: nothing of p1 reaches b
     alone.start_request("a", [101, 102], problem_id="p1")
@@ -283,11 +283,11 @@ def test_a_global_tree_that_runs_short_mid_batch_grows_and_takes_the_rest():
     for i in range(3):
         mat[i, :2] = [100 + i, 99]
         mat[i, 2:] = rng.integers(0, 50, 3000)
-    before = d._global.buffer.shape[0]
+    before = d._global.tree.buffer.shape[0]
     d.add_tokens_batch(rows, mat, None, np.full(3, 3002))
-    assert d._global.buffer.shape[0] > before
+    assert d._global.tree.buffer.shape[0] > before
     for i, rid in enumerate(rows):
-        assert d._global.sequence(d._requests[rid].gseq).tolist()[-3000:] == mat[i, 2:].tolist()
+        assert d._global.tree.sequence(d._requests.requests[rid].global_seq).tolist()[-3000:] == mat[i, 2:].tolist()
     d._check_batch_state()
 
 
@@ -299,25 +299,31 @@ def test_parallel_batches_match_one_thread(monkeypatch, balanced_parts):
     global tree, appended with the learning beside the other trees' parts, likewise) and
     when a request has two rows (appended in order; drafted on one thread, as its rows would
     write one pending draft). With the trees dealt to the threads by load
-    (:func:`das._step_kernels.balance_parts`) and by id."""
+    (:func:`das.step_kernels.balance_parts`) and by id."""
     import numba
 
-    import das.drafter as drafter_module
+    from das import step_append, step_threads
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has one thread here")
-    monkeypatch.setattr(drafter_module, "PARALLEL_ROWS", 8)
-    monkeypatch.setattr(drafter_module, "BALANCED_PARTS", balanced_parts)
+    monkeypatch.setattr(step_threads, "PARALLEL_ROWS", 8)
+    monkeypatch.setattr(step_threads, "BALANCED_PARTS", balanced_parts)
     rng = np.random.default_rng(3)
     kw = dict(window=4, max_depth=8, min_token_prob=0.05, global_rollouts=16)
     one, two = DASDrafter(draft_threads=1, **kw), DASDrafter(draft_threads=2, **kw)
     assert (one.draft_threads, two.draft_threads) == (1, 2)
-    finished = []  # rows the parallel append stopped at (a tree ran short), finished in Python
-    grow = two._finish_row
-    monkeypatch.setattr(two, "_finish_row", lambda *a: (finished.append(a[2]), grow(*a)))
+    finished = []  # rows the parallel append (two's) stopped at (a tree ran short), finished in Python
+    grow = step_append.finish_row
+
+    def finish_row(req, seg, part, done):
+        if any(req is r for r in two._requests.requests.values()):
+            finished.append(part)
+        grow(req, seg, part, done)
+
+    monkeypatch.setattr(step_append, "finish_row", finish_row)
     global_rest = []  # rows after one where the global tree ran short, appended in Python
-    rest = two._add_rows_global
-    monkeypatch.setattr(two, "_add_rows_global", lambda *a: (global_rest.append(a[-1]), rest(*a)))
+    rest = two._global.append_rows
+    monkeypatch.setattr(two._global, "append_rows", lambda *a: (global_rest.append(a[-1]), rest(*a)))
     patterns = [rng.integers(0, 12, 30) for _ in range(4)]
     for v in range(3):  # history: each problem's rollouts repeat its pattern with noise
         for d in (one, two):
@@ -384,19 +390,19 @@ def test_outcome_counts_of_older_policies_weigh_less():
     _start_on_new_problem(d, "p")
     d.speculate("p", 1)
     d.add_tokens("p", [50])  # its draft token 8 rejected
-    assert d._outcomes[0, 8].tolist() == [0.0, 1.0]
+    assert d._mixer.outcomes[0, 8].tolist() == [0.0, 1.0]
     d.begin_iteration(3)
-    assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
+    assert d._mixer.outcomes[0, 8].tolist() == [0.0, 0.25]
     # every table fades (table 3: the outcome counts once in each of its two calibration maps)
-    assert d._outcomes.sum(axis=1)[:, 1].tolist() == [0.25, 0.25, 0.25, 0.5]
+    assert d._mixer.outcomes.sum(axis=1)[:, 1].tolist() == [0.25, 0.25, 0.25, 0.5]
     d.begin_iteration(3)  # the same version: no change
-    assert d._outcomes[0, 8].tolist() == [0.0, 0.25]
+    assert d._mixer.outcomes[0, 8].tolist() == [0.0, 0.25]
     flat = DASDrafter(global_rollouts=0, decay=1.0)
     _start_on_new_problem(flat, "p")
     flat.speculate("p", 1)
     flat.add_tokens("p", [50])
     flat.begin_iteration(5)
-    assert flat._outcomes[0, 8].tolist() == [0.0, 1.0]
+    assert flat._mixer.outcomes[0, 8].tolist() == [0.0, 1.0]
 
 
 def _sigmoid(z: float) -> float:
@@ -409,14 +415,14 @@ def test_the_calibration_map_follows_the_acceptance_counted_at_each_logit():
     down, and leave the other knots alone."""
     out = np.zeros((4, mixing.OUTCOME_SLOTS, 2))
     for z in (-2.0, 0.0, 1.5):
-        assert mixing._calibrated(out, 0, 5, z) == pytest.approx(_sigmoid(z))
-    row, w = mixing._apm_knot(0, 1.5)  # weight set 0's map, the knot at logit 1.5
+        assert mixing.calibrated(out, 0, 5, z) == pytest.approx(_sigmoid(z))
+    row, w = mixing.apm_knot(0, 1.5)  # weight set 0's map, the knot at logit 1.5
     assert w == 0.0
     out[3, row, 1] = 100.0  # drafted 100 times there, never accepted
-    assert mixing._calibrated(out, 0, 5, 1.5) < _sigmoid(1.5) - 0.25
-    assert mixing._calibrated(out, 0, 5, 1.75) < _sigmoid(1.75) - 0.1  # halfway to the next knot: half the pull
-    assert mixing._calibrated(out, 0, 5, -3.0) == pytest.approx(_sigmoid(-3.0))
-    assert mixing._calibrated(out, mixing.NIN, 5, 1.5) == pytest.approx(_sigmoid(1.5))  # weight set 1: its own map
+    assert mixing.calibrated(out, 0, 5, 1.5) < _sigmoid(1.5) - 0.25
+    assert mixing.calibrated(out, 0, 5, 1.75) < _sigmoid(1.75) - 0.1  # halfway to the next knot: half the pull
+    assert mixing.calibrated(out, 0, 5, -3.0) == pytest.approx(_sigmoid(-3.0))
+    assert mixing.calibrated(out, mixing.NIN, 5, 1.5) == pytest.approx(_sigmoid(1.5))  # weight set 1: its own map
 
 
 def _draft_of(d: DASDrafter, pid, length: int):
@@ -438,7 +444,7 @@ def test_the_token_a_draft_stopped_before_learns_from_the_bonus_token(bonus):
     assert _draft_of(d, "p", 1).tokens[0, :1].tolist() == [8]  # stopped before 9
     d.add_tokens("p", [8, bonus])  # 8 accepted, then the bonus token
     assert d.outcomes_learned == 2
-    assert d._outcomes[0, 9].tolist() == ([1.0, 1.0] if bonus == 9 else [0.0, 1.0])
+    assert d._mixer.outcomes[0, 9].tolist() == ([1.0, 1.0] if bonus == 9 else [0.0, 1.0])
 
 
 def test_the_token_after_a_rejection_teaches_nothing_about_the_stop_token():
@@ -448,12 +454,12 @@ def test_the_token_after_a_rejection_teaches_nothing_about_the_stop_token():
     _start_on_new_problem(d, "p")
     _draft_of(d, "p", 1)
     d.add_tokens("p", [50])  # 8 rejected; 50 recovered
-    assert d.outcomes_learned == 1 and d._outcomes[0, 9].tolist() == [0.0, 0.0]
+    assert d.outcomes_learned == 1 and d._mixer.outcomes[0, 9].tolist() == [0.0, 0.0]
     empty = DASDrafter(global_rollouts=0)  # a draft that stopped before its first token: the next token is a plain sample
     _start_on_new_problem(empty, "p")
     _draft_of(empty, "p", 0)
     empty.add_tokens("p", [8])
-    assert empty.outcomes_learned == 1 and empty._outcomes[0, 8].tolist() == [1.0, 1.0]
+    assert empty.outcomes_learned == 1 and empty._mixer.outcomes[0, 8].tolist() == [1.0, 1.0]
 
 
 def _history_drafters(rng, **kw):
@@ -491,7 +497,7 @@ def _grow(rng, patterns, rows, toks):
 
 def test_global_loci_looked_up_from_the_root_are_the_live_sequence_loci():
     """With ``defer_global`` the global scope's loci come from lookups of the context's suffixes
-    (:func:`das._mix_kernels._context_loci`) instead of the request's live sequence there. On an
+    (:func:`das.mix_kernels._context_loci`) instead of the request's live sequence there. On an
     up-to-date global tree (per-row calls append at once) they are the same loci: the same
     drafts, probabilities and learning, step after step."""
     rng = np.random.default_rng(5)
@@ -526,15 +532,15 @@ def test_deferred_global_appends_run_after_the_drafts_and_leave_the_same_tree():
         for d in (eager, deferred):
             d.add_tokens_batch(rows, mat, None, ends)
         for rid in rows:  # the last step's tokens are in (it waited for them), this step's not yet
-            assert deferred._global.sequence(deferred._requests[rid].gseq).tolist() == before[rid]
+            assert deferred._global.tree.sequence(deferred._requests.requests[rid].global_seq).tolist() == before[rid]
         got = [d.speculate_batch(rows, budgets) for d in (eager, deferred)]
         assert int(got[1].lengths.sum()) > 0
     deferred._check_batch_state()  # waits for the last background append
     assert deferred.deferred_appends == 8 and deferred.deferred_ns > 0
     for rid in rows:
-        e, f = (d._global.sequence(d._requests[rid].gseq).tolist() for d in (eager, deferred))
+        e, f = (d._global.tree.sequence(d._requests.requests[rid].global_seq).tolist() for d in (eager, deferred))
         assert e == f == toks[rid]
-    assert deferred._global.num_tokens == eager._global.num_tokens
+    assert deferred._global.tree.num_tokens == eager._global.tree.num_tokens
 
 
 def test_deferred_stops_keep_the_same_finished_rollouts_in_the_global_tree(monkeypatch):
@@ -555,7 +561,7 @@ def test_deferred_stops_keep_the_same_finished_rollouts_in_the_global_tree(monke
         for d in (eager, deferred):
             d.add_tokens_batch(rows, mat, None, ends)
             d.speculate_batch(rows, budgets)
-        kept = len(deferred._gseqs)
+        kept = len(deferred._global.finished)
         for r in (step % len(rows), (step + 5) % len(rows)):  # two requests finish, two new ones take their rows
             old, new = rows[r], f"n{fresh}"
             fresh += 1
@@ -564,17 +570,18 @@ def test_deferred_stops_keep_the_same_finished_rollouts_in_the_global_tree(monke
                 d.stop_request(old)
                 d.start_request(new, toks[new], problem_id=r % 4)
             rows[r] = new
-        assert len(deferred._gseqs) == kept and len(deferred._gkeep) == 2  # not yet: the next job's work
+        assert len(deferred._global.finished) == kept and deferred._global.pending_keeps == 2  # not yet: the next job's work
     for d in (eager, deferred):
         d._check_batch_state()  # syncs: runs what is left
     assert deferred.deferred_keeps == 2 * 12 and eager.deferred_keeps == 0
-    assert deferred._global.rebuilds > 0  # slots moved while requests were live
-    assert [eager._global.sequence(s).tolist() for s in eager._gseqs] == [deferred._global.sequence(s).tolist() for s in deferred._gseqs]
-    assert len(deferred._gseqs) == 6 and deferred._global.num_tokens == eager._global.num_tokens
+    assert deferred._global.tree.rebuilds > 0  # slots moved while requests were live
+    finished = [[d._global.tree.sequence(s).tolist() for s in d._global.finished] for d in (eager, deferred)]
+    assert finished[0] == finished[1]
+    assert len(deferred._global.finished) == 6 and deferred._global.tree.num_tokens == eager._global.tree.num_tokens
     for rid in rows:
-        req = deferred._requests[rid]
-        assert deferred._global.sequence(req.gseq).tolist() == toks[rid]
-        assert deferred._ri[req.h, kernels.R_GLOBAL_SLOT] == deferred._global.slot(req.gseq)
+        req = deferred._requests.requests[rid]
+        assert deferred._global.tree.sequence(req.global_seq).tolist() == toks[rid]
+        assert deferred._requests.tree_refs[req.handle, kernels.R_GLOBAL_SLOT] == deferred._global.tree.slot(req.global_seq)
 
 
 def test_a_failing_background_append_surfaces_at_the_next_call(monkeypatch):
@@ -585,7 +592,7 @@ def test_a_failing_background_append_surfaces_at_the_next_call(monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("global tree append failed")
 
-    monkeypatch.setattr(d, "_add_rows_global", broken)
+    monkeypatch.setattr(d._global, "append_rows", broken)
     mat, ends = _grow(rng, patterns, rows, toks)
     d.add_tokens_batch(rows, mat, None, ends)
     d.speculate_batch(rows, np.full(len(rows), 4, np.int64))  # starts the broken append
@@ -664,7 +671,7 @@ def test_a_draft_stopped_at_the_steps_cut_learns_what_a_draft_cut_by_the_engine_
         for d in (deep, cut_short):
             d.add_tokens_batch(live, matrix, starts, ends)
         np.testing.assert_array_equal(deep.mixer_weights, cut_short.mixer_weights)
-        np.testing.assert_array_equal(deep._outcomes, cut_short._outcomes)
+        np.testing.assert_array_equal(deep._mixer.outcomes, cut_short._mixer.outcomes)
     assert kept_tokens > 200 and cut_tokens > 200  # the engine kept drafts, and the cut saved drafting
     for d in (deep, cut_short):
         d.close()

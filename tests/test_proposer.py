@@ -180,8 +180,6 @@ def test_bad_additional_config_names_the_key():
         das_section({"das": {"window": 0}})
     with pytest.raises(ValueError, match="bogus"):
         das_section({"das": {"bogus": 1}})
-    with pytest.raises(ValueError, match="budget"):
-        das_section({"das": {"budget": "greedy"}})
     with pytest.raises(ValueError, match="c_tok"):
         das_section({"das": {"c_base": 0.01}})
     with pytest.raises(ValueError, match="window"):

@@ -79,7 +79,7 @@ def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys, synth
     the steps whose drafts differ: none for a copy, some for a kernel that clips harder."""
     from pathlib import Path
 
-    import das._mix_kernels as current
+    import das.mix_kernels as current
     from benchmarks import kernel_pair
 
     src = Path(current.__file__).read_text()

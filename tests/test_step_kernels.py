@@ -1,4 +1,4 @@
-"""Which thread appends which rows in a step's threaded insert (:func:`das._step_kernels.balance_parts`)."""
+"""Which thread appends which rows in a step's threaded insert (:func:`das.step_kernels.balance_parts`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from das._step_kernels import balance_parts
+from das.step_kernels import balance_parts
 
 
 def loads(owner, work, parts, base):
@@ -54,11 +54,11 @@ def test_the_largest_load_is_within_one_tree_of_the_average(rows, parts, base8):
 
 
 def test_threads_claiming_from_one_counter_get_each_value_once():
-    """:func:`das._trie_kernels.fetch_add` is atomic: threads claiming rows from one counter (as
+    """:func:`das.trie_kernels.fetch_add` is atomic: threads claiming rows from one counter (as
     the ``mix`` drafting kernel's parts do) take every row exactly once."""
     from numba import njit, prange
 
-    from das._trie_kernels import fetch_add
+    from das.trie_kernels import fetch_add
 
     @njit(parallel=True)
     def claim_all(n, parts):

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from das import _trie_kernels as kernels
+from das import trie_kernels as kernels
 from das.suffix_tree import VOCAB_LIMIT, Draft, SuffixTree
 
 
@@ -436,7 +436,7 @@ def test_scale_keeps_drafts_and_weights():
 
 
 def test_kernel_access_slots_buffer_and_listener():
-    from das import _trie_kernels as kernels
+    from das import trie_kernels as kernels
 
     t = SuffixTree(4)
     a = t.add([1, 2, 3], weight=2.0)
@@ -469,7 +469,7 @@ def test_views_by_address_are_the_buffer_views():
     the same arrays as ``buffer_views`` (every view, every element, after growth moved the tree)."""
     from numba import njit
 
-    from das import _trie_kernels as kernels
+    from das import trie_kernels as kernels
 
     @njit
     def viewed(mem):
@@ -491,7 +491,7 @@ def test_borrow_is_a_view_of_the_same_memory():
     counts) reads and writes ``arr``'s own memory, with its shape and strides, C-contiguous or not."""
     from numba import njit
 
-    from das._trie_kernels import borrow
+    from das.trie_kernels import borrow
 
     @njit
     def touch(a, b):
@@ -512,7 +512,7 @@ def test_reserve_and_capacity_keep_a_growing_sequence_in_place():
     """``add(..., reserve=n)`` keeps room for the sequence to grow to ``n`` tokens without moving its
     pooled tokens, and ``SuffixTree(capacity=n)`` sizes the buffer so that the trie is not moved to a
     larger one while it grows to ``n`` tokens; counts are as without the hints."""
-    from das import _trie_kernels as kernels
+    from das import trie_kernels as kernels
 
     rng = np.random.default_rng(0)
     toks = rng.integers(0, 50, 300)

@@ -15,7 +15,8 @@ opposite). So :func:`decide` chooses, and says why:
   RL batches with 1024-token caps need several GiB; too small a cache preempts requests.
 
 The calibration is a few hundred milliseconds of decode-shaped matmuls, measured once per machine
-and cached in ``~/.cache/das/cpu_calibration.json`` (key: CPU model, flags, cores). A user's
+and cached in ``cpu_calibration.json`` of das's cache directory (:func:`das.host.cache_dir`: ``$DAS_CACHE_DIR``,
+default ``~/.cache/das``; key: CPU model, flags, cores). A user's
 explicit setting always wins: ``--dtype``, ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM_CPU_KVCACHE_SPACE``,
 ``DAS_IOMP=0|1`` (preload or not) and ``DAS_NO_REEXEC=1`` (never re-execute).
 """
@@ -30,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from das.host import available_cpus, cache_dir
 
 # Settings vLLM needs on these machines whatever the CPU (ENVIRONMENT.md): setdefault, a user's own value wins.
 CPU_ENV_DEFAULTS = {
@@ -97,10 +100,7 @@ def read_cpu_info() -> CpuInfo:
                 flags = frozenset(value.split())
     except OSError:
         pass
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        cores = os.cpu_count() or 1
+    cores = available_cpus()
     mem = 0.0
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -186,7 +186,7 @@ def _count_cpus(bind: str) -> int:
 
 
 def _cache_path() -> Path:
-    return Path(os.environ.get("DAS_CACHE", Path.home() / ".cache" / "das")) / "cpu_calibration.json"
+    return cache_dir() / "cpu_calibration.json"
 
 
 def calibrate(info: CpuInfo, *, budget_s: float = 0.25, use_cache: bool = True) -> dict[str, Any]:

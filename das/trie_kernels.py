@@ -56,7 +56,7 @@ Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slo
 :func:`draft_two_trees`; a verb's token argument, checked before anything changes: :func:`first_bad_token`;
 for all rows of an engine step :func:`check_batch`, :func:`add_batch`
 (:func:`add_batch_global` for the global tree; both on several threads, with the mixer's
-learning, in :func:`das._step_kernels.insert_batch_parallel`)
+learning, in :func:`das.step_kernels.insert_batch_parallel`)
 and :func:`draft_batch` (:func:`draft_batch_parallel` on several threads). Python side:
 :func:`buffer_layout` and :func:`buffer_views`. Other numba code may build on
 :func:`borrowed_views`, :func:`greedy_walk` and :func:`prefetch`.
@@ -310,14 +310,14 @@ def borrowed_views(mem):
 
 
 @njit(cache=True, inline="always")
-def _hash_slot(key, shift, mask):
+def hash_slot(key, shift, mask):
     return ((key * _FIBONACCI_MULT) >> shift) & mask
 
 
 @njit(cache=True, inline="always")
 def hash_lookup(hash_table, shift, key):
     mask = hash_table.shape[0] - 1
-    i = _hash_slot(key, shift, mask)
+    i = hash_slot(key, shift, mask)
     while True:
         k = hash_table[i, 0]
         if k == key:
@@ -330,7 +330,7 @@ def hash_lookup(hash_table, shift, key):
 @njit(cache=True, inline="always")
 def _hash_insert(hash_table, shift, key, val):
     mask = hash_table.shape[0] - 1
-    i = _hash_slot(key, shift, mask)
+    i = hash_slot(key, shift, mask)
     while hash_table[i, 0] != -1:
         i = (i + 1) & mask
     hash_table[i, 0] = key
@@ -341,7 +341,7 @@ def _hash_insert(hash_table, shift, key, val):
 def _hash_update(hash_table, shift, key, val):
     """Change the value of an existing key."""
     mask = hash_table.shape[0] - 1
-    i = _hash_slot(key, shift, mask)
+    i = hash_slot(key, shift, mask)
     while hash_table[i, 0] != key:
         i = (i + 1) & mask
     hash_table[i, 1] = val
@@ -350,7 +350,7 @@ def _hash_update(hash_table, shift, key, val):
 @njit(cache=True)
 def _hash_delete(hash_table, shift, key):
     mask = hash_table.shape[0] - 1
-    i = _hash_slot(key, shift, mask)
+    i = hash_slot(key, shift, mask)
     while hash_table[i, 0] != key:
         if hash_table[i, 0] == -1:
             return False
@@ -361,7 +361,7 @@ def _hash_delete(hash_table, shift, key):
         kj = hash_table[j, 0]
         if kj == -1:
             break
-        home = _hash_slot(kj, shift, mask)
+        home = hash_slot(kj, shift, mask)
         if (j > i and (home <= i or home > j)) or (j < i and home <= i and home > j):
             hash_table[i, 0] = kj
             hash_table[i, 1] = hash_table[j, 1]
@@ -372,7 +372,7 @@ def _hash_delete(hash_table, shift, key):
 
 
 @njit(cache=True, inline="always")
-def _child_key(parent, token):
+def child_key(parent, token):
     return (np.int64(parent) << TOKEN_BITS) | np.int64(token)
 
 
@@ -386,7 +386,7 @@ def fill_hash_table(mem):
         if nodes[p, C_FILTER] == HASHED and (p == 0 or nodes[p, C_PARENT] != -1):
             c = nodes[p, C_FIRST]
             while c != -1:
-                _hash_insert(hash_table, shift, _child_key(p, nodes[c, C_TOKEN]), c)
+                _hash_insert(hash_table, shift, child_key(p, nodes[c, C_TOKEN]), c)
                 n += 1
                 c = nodes[c, C_NEXT]
     return n
@@ -413,11 +413,11 @@ def _children_filter(nodes, p):
 
 
 @njit(cache=True, inline="always")
-def _find_child(nodes, hash_table, shift, p, t):
+def find_child(nodes, hash_table, shift, p, t):
     """Child of node ``p`` whose label starts with token ``t``, or -1."""
     f = nodes[p, C_FILTER]
     if f == HASHED:
-        return np.int64(hash_lookup(hash_table, shift, _child_key(p, t)))
+        return np.int64(hash_lookup(hash_table, shift, child_key(p, t)))
     if f & filter_bit(t) == 0:
         return np.int64(-1)
     b = nodes[p, C_BEST]
@@ -484,7 +484,7 @@ def _link_child(nodes, hash_table, meta, p, c):
     nodes[p, C_NCHILD] += 1
     shift = meta[M_HASH_SHIFT]
     if nodes[p, C_FILTER] == HASHED:
-        _hash_insert(hash_table, shift, _child_key(p, nodes[c, C_TOKEN]), c)
+        _hash_insert(hash_table, shift, child_key(p, nodes[c, C_TOKEN]), c)
         meta[M_HASH_ENTRIES] += 1
     elif nodes[p, C_NCHILD] < HASH_MIN_CHILDREN:
         nodes[p, C_FILTER] |= filter_bit(nodes[c, C_TOKEN])
@@ -492,7 +492,7 @@ def _link_child(nodes, hash_table, meta, p, c):
         nodes[p, C_FILTER] = HASHED
         x = nodes[p, C_FIRST]
         while x != -1:
-            _hash_insert(hash_table, shift, _child_key(p, nodes[x, C_TOKEN]), x)
+            _hash_insert(hash_table, shift, child_key(p, nodes[x, C_TOKEN]), x)
             meta[M_HASH_ENTRIES] += 1
             x = nodes[x, C_NEXT]
 
@@ -510,7 +510,7 @@ def _unlink_child(nodes, hash_table, meta, p, c):
         nodes[nxt, C_PREV] = prv
     nodes[p, C_NCHILD] -= 1
     if nodes[p, C_FILTER] == HASHED:
-        _hash_delete(hash_table, meta[M_HASH_SHIFT], _child_key(p, nodes[c, C_TOKEN]))
+        _hash_delete(hash_table, meta[M_HASH_SHIFT], child_key(p, nodes[c, C_TOKEN]))
         meta[M_HASH_ENTRIES] -= 1
     else:
         nodes[p, C_FILTER] = _children_filter(nodes, p)
@@ -533,7 +533,7 @@ def _replace_child(nodes, hash_table, meta, p, old, new):
         nodes[nxt, C_PREV] = new
     nodes[new, C_PARENT] = p
     if nodes[p, C_FILTER] == HASHED:
-        _hash_update(hash_table, meta[M_HASH_SHIFT], _child_key(p, nodes[old, C_TOKEN]), new)
+        _hash_update(hash_table, meta[M_HASH_SHIFT], child_key(p, nodes[old, C_TOKEN]), new)
     if nodes[p, C_BEST] == old:
         nodes[p, C_BEST] = new
 
@@ -547,8 +547,8 @@ def _rekey_child(nodes, hash_table, meta, p, c, t):
     nodes[c, C_TOKEN] = t
     if nodes[p, C_FILTER] == HASHED:
         shift = meta[M_HASH_SHIFT]
-        _hash_delete(hash_table, shift, _child_key(p, old))
-        _hash_insert(hash_table, shift, _child_key(p, t), c)
+        _hash_delete(hash_table, shift, child_key(p, old))
+        _hash_insert(hash_table, shift, child_key(p, t), c)
     else:
         nodes[p, C_FILTER] = _children_filter(nodes, p)
 
@@ -598,7 +598,7 @@ def _advance_locus(nodes, weights, hash_table, meta, seqs, pool, s, node, t, L, 
         nodes[node, C_IDX] = L
         return node
     shift = meta[M_HASH_SHIFT]
-    child = _find_child(nodes, hash_table, shift, node, t)
+    child = find_child(nodes, hash_table, shift, node, t)
     if child == -1:
         # 1b: a new leaf
         c = _alloc_node(nodes, weights, meta)
@@ -631,7 +631,7 @@ def _advance_locus(nodes, weights, hash_table, meta, seqs, pool, s, node, t, L, 
         nodes[node, C_DEPTH] += 1
         nodes[node, C_SEQ] = s
         nodes[node, C_IDX] = L
-        _rekey_child(nodes, hash_table, meta, node, child, _edge_token(nodes, seqs, pool, child, nodes[node, C_DEPTH]))
+        _rekey_child(nodes, hash_table, meta, node, child, edge_token(nodes, seqs, pool, child, nodes[node, C_DEPTH]))
         return node
     if elen == 1:
         # 3a: step into child
@@ -650,7 +650,7 @@ def _advance_locus(nodes, weights, hash_table, meta, seqs, pool, s, node, t, L, 
     weights[m, 0] = weights[child, 0] + w
     weights[m, 1] = weights[child, 0]
     _replace_child(nodes, hash_table, meta, node, child, m)
-    nodes[child, C_TOKEN] = _edge_token(nodes, seqs, pool, child, nodes[m, C_DEPTH])
+    nodes[child, C_TOKEN] = edge_token(nodes, seqs, pool, child, nodes[m, C_DEPTH])
     nodes[child, C_PARENT] = m
     nodes[child, C_NEXT] = -1
     nodes[child, C_PREV] = -1
@@ -740,7 +740,7 @@ def remove_sequence(mem, s, w):
         end = min(n, start + D)
         while idx < end:
             t = pool[base + idx]
-            c = _find_child(nodes, hash_table, shift, node, t)
+            c = find_child(nodes, hash_table, shift, node, t)
             if c == -1:
                 ok = False
                 break
@@ -763,7 +763,7 @@ def remove_sequence(mem, s, w):
                 while u != -1:
                     x = nodes[u, C_FIRST]
                     if x != -1 and nodes[u, C_FILTER] == HASHED:
-                        _hash_delete(hash_table, shift, _child_key(u, nodes[x, C_TOKEN]))
+                        _hash_delete(hash_table, shift, child_key(u, nodes[x, C_TOKEN]))
                         meta[M_HASH_ENTRIES] -= 1
                     _free_node(nodes, weights, meta, u)
                     u = x
@@ -795,13 +795,13 @@ def remove_sequence(mem, s, w):
 
 
 @njit(cache=True, inline="always")
-def _edge_token(nodes, seqs, pool, u, d):
+def edge_token(nodes, seqs, pool, u, d):
     """The token at string position ``d`` on the edge into ``u`` (``depth(parent) <= d < depth(u)``)."""
     return pool[seqs[nodes[u, C_SEQ], S_BASE] + nodes[u, C_IDX] - (nodes[u, C_DEPTH] - d)]
 
 
 @njit(cache=True)
-def _find_locus(nodes, hash_table, meta, seqs, pool, pattern, lo, hi):
+def find_locus_in(nodes, hash_table, meta, seqs, pool, pattern, lo, hi):
     """Locus of ``pattern[lo:hi]``: ``(node, depth)`` with the string ending at ``depth`` on the
     edge into ``node`` (``depth == node's depth``: at the node); ``(-1, 0)`` if absent."""
     shift = meta[M_HASH_SHIFT]
@@ -812,7 +812,7 @@ def _find_locus(nodes, hash_table, meta, seqs, pool, pattern, lo, hi):
         t = pattern[k]
         if t < 0 or t >= VOCAB_LIMIT:
             return np.int64(-1), 0
-        c = _find_child(nodes, hash_table, shift, u, t)
+        c = find_child(nodes, hash_table, shift, u, t)
         if c == -1:
             return np.int64(-1), 0
         pd = nodes[u, C_DEPTH]
@@ -837,7 +837,7 @@ def find_locus(mem, pattern):
     meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
     if pattern.shape[0] > meta[M_MAX_DEPTH]:
         return np.int64(-1), 0
-    return _find_locus(nodes, hash_table, meta, seqs, pool, pattern, 0, pattern.shape[0])
+    return find_locus_in(nodes, hash_table, meta, seqs, pool, pattern, 0, pattern.shape[0])
 
 
 @njit(cache=True)
@@ -847,7 +847,7 @@ def locus_continuations(mem, u, d):
     if d < nodes[u, C_DEPTH]:
         toks = np.empty(1, np.int64)
         ws = np.empty(1, np.float64)
-        toks[0] = _edge_token(nodes, seqs, pool, u, d)
+        toks[0] = edge_token(nodes, seqs, pool, u, d)
         ws[0] = weights[u, 0]
         return toks, ws
     k = nodes[u, C_NCHILD]
@@ -881,7 +881,7 @@ def greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, d, limit, min_p
     k = 0
     while k < limit:
         if d < nodes[u, C_DEPTH]:
-            t = _edge_token(nodes, seqs, pool, u, d)
+            t = edge_token(nodes, seqs, pool, u, d)
             if prior > 0.0:  # the only continuation inside an edge: count(u) / (count(u) + prior)
                 wb = weights[u, 0]
                 p = prob * (wb / (wb + prior))
@@ -891,7 +891,7 @@ def greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, d, limit, min_p
             d += 1
         else:
             if d >= D:
-                u, d = _find_locus(nodes, hash_table, meta, seqs, pool, scratch, nscr - (D - 1), nscr)
+                u, d = find_locus_in(nodes, hash_table, meta, seqs, pool, scratch, nscr - (D - 1), nscr)
                 if u < 0:
                     break
                 continue
@@ -987,7 +987,7 @@ def draft_context(mem, context, max_tokens, min_prob, factor, min_match, prior, 
     loci_d = np.zeros(w + 1, np.int64)
     m = 0
     for L in range(1, w + 1):
-        u, d = _find_locus(nodes, hash_table, meta, seqs, pool, context, n - L, n)
+        u, d = find_locus_in(nodes, hash_table, meta, seqs, pool, context, n - L, n)
         if u < 0:
             break
         loci_u[L] = u
@@ -1133,8 +1133,8 @@ E_TOKEN = 4  # tokens[r, c] out of [0, VOCAB_LIMIT)
 def first_bad_token(a):
     """Index of the first token of ``a`` (a 1-D integer array) outside ``[0, VOCAB_LIMIT)``, or -1
     if there is none. The verbs and the append kernels check their tokens with it before changing anything: a
-    kernel call costs a fraction of numpy's two comparisons, ``|`` and ``any`` on arrays of a few
-    tokens (0.15 against 1.7 us for three tokens on a 2-vCPU Xeon), which every ``add_tokens`` paid."""
+    kernel call costs a fraction of numpy's two comparisons, ``|`` and ``any`` on an array of a
+    few tokens, which ``add_tokens`` would pay on every call."""
     for i in range(a.shape[0]):
         t = a[i]
         if t < 0 or t >= VOCAB_LIMIT:
@@ -1177,7 +1177,7 @@ def add_batch(trees, ri, rw, handles, tokens, starts, ends, row0):
     the row's tokens that tree took; the caller grows that tree, inserts the rest of the row (for
     ``part`` 0 also into the request tree) and calls again from ``row + 1``."""
     for r in range(row0, handles.shape[0]):
-        part, d = _add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
+        part, d = add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
         if part >= 0:
             return r, part, d
     return -1, 0, 0
@@ -1204,7 +1204,7 @@ def add_batch_global(mem, ri, handles, tokens, starts, ends, row0):
 
 
 @njit(cache=True, inline="always")
-def _add_row(trees, ri, rw, h, tokens, starts, ends, r):
+def add_row(trees, ri, rw, h, tokens, starts, ends, r):
     """Row ``r`` of :func:`add_batch`; returns ``(-1, 0)``, or ``(part, done)`` when a tree ran short."""
     a = starts[r]
     n = ends[r] - a

@@ -2,8 +2,8 @@
 
 numba stamps a cached function with the modification time and size of the file that defines it,
 and nothing else. das's kernels inline helpers across modules (``inline="always"``: the trie's
-node and hash helpers from :mod:`das._trie_kernels` are compiled into :mod:`das._step_kernels`,
-:mod:`das._mix_kernels` and the replay's drafters), so after a change to one module alone (an
+node and hash helpers from :mod:`das.trie_kernels` are compiled into :mod:`das.step_kernels`,
+:mod:`das.mix_kernels` and the replay's drafters), so after a change to one module alone (an
 edit, a ``git pull``) the others' cached code still runs the old helpers. After a change of the
 node layout that is wrong drafts or a lookup that never ends. Here every function defined in a
 kernel module, or in a file registered with :func:`register`, is stamped with its own file and
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-KERNEL_FILES = tuple(os.path.join(_DIR, name) for name in ("_trie_kernels.py", "_step_kernels.py", "_mix_kernels.py"))
+KERNEL_FILES = tuple(os.path.join(_DIR, name) for name in ("trie_kernels.py", "step_kernels.py", "mix_kernels.py"))
 _covered = set(KERNEL_FILES)
 
 

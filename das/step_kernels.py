@@ -6,9 +6,9 @@ row's live sequence in the global tree (``mix`` chooser), and teaches the mixer 
 the rows' pending drafts (weights and outcome tables, ``mix`` chooser). The first is split over
 the parts by tree (rows sharing a tree share a part, so no two threads touch one tree); the
 global tree's append and the learning run as extra work of two of those parts instead of one
-after the other on one thread while the other threads wait (256 rows on two threads: appending
-0.90 -> 0.75 ms; benchmarks/README.md, "Step cost"). The results are those of the serial order:
-no piece of work reads what another writes. From :data:`das.drafter.BALANCED_PARTS` parts on,
+after the other on one thread while the other threads wait (benchmarks/README.md, "Step cost").
+The results are those of the serial order: no piece of work reads what another writes. From
+:data:`das.step_threads.BALANCED_PARTS` parts on,
 which part appends which tree is chosen per step by :func:`balance_parts`, so that the parts that
 carry the global tree or the learning get fewer trees (below it: tree id modulo the parts).
 """
@@ -18,21 +18,21 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from das._mix_kernels import learn_rows
-from das._trie_kernels import _add_row, add_batch_global
+from das.mix_kernels import learn_rows
+from das.trie_kernels import add_batch_global, add_row
 
 
 @njit(cache=True, parallel=True)
 def insert_batch_parallel(trees, ri, rw, handles, tokens, starts, ends, owner, parts, stops, gmem, gpart, gstop, lpart, learned,
                           wt, g2, lr, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop):
-    """:func:`das._trie_kernels.add_batch` on ``parts`` threads: part ``p`` appends the rows with
+    """:func:`das.trie_kernels.add_batch` on ``parts`` threads: part ``p`` appends the rows with
     ``owner[r] == p`` (``int64[rows]`` in ``[0, parts)``; rows that share a tree must share a part)
     to their problem and request trees in row order, and stops at its first row whose tree ran
     short of capacity: ``stops[p] = (row, part, done)`` (``int64[parts, 3]``, as ``add_batch``
     returns; row -1: the part finished; its later rows are left to the caller). Plus, on part ``gpart`` (-1: none), the rows' appends to
-    the global tree ``gmem`` (:func:`das._trie_kernels.add_batch_global` from row 0; its return
+    the global tree ``gmem`` (:func:`das.trie_kernels.add_batch_global` from row 0; its return
     value in ``gstop``: ``int64[2]``), and on part ``lpart`` (-1: none) the mixer's learning
-    (:func:`das._mix_kernels.learn_rows` with the arguments after ``learned``; the number of
+    (:func:`das.mix_kernels.learn_rows` with the arguments after ``learned``; the number of
     outcomes learned in ``learned[0]``). ``gpart`` and ``lpart`` are parts in ``[0, parts)``."""
     rows = handles.shape[0]
     for p in prange(parts):
@@ -46,7 +46,7 @@ def insert_batch_parallel(trees, ri, rw, handles, tokens, starts, ends, owner, p
         for r in range(rows):
             if owner[r] != p:
                 continue
-            part, d = _add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
+            part, d = add_row(trees, ri, rw, handles[r], tokens, starts, ends, r)
             if part >= 0:
                 stops[p, 0] = r
                 stops[p, 1] = part
@@ -62,8 +62,7 @@ def balance_parts(keys, work, parts, base):
     the optimum). ``work``: ``int64[rows]``, tokens each row appends; ``base``: ``float64[parts]``,
     each part's load before any tree (the global tree's append, the learning), in the same units.
     Returns ``int64[rows]`` in ``[0, parts)``. Without it, a part that also carries the global
-    tree got as many trees as the others and the step waited for it (benchmarks/README.md,
-    "Step cost", on a 16-core GPU host)."""
+    tree would get as many trees as the others, and the step would wait for it."""
     rows = keys.shape[0]
     order = np.argsort(keys, kind="mergesort")
     gkey = np.empty(rows, np.int64)  # the distinct keys, and the tokens of each

@@ -30,7 +30,7 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
 * ``[1 + s * NB + b]``: for scope ``s``'s kept locus whose match length falls in bucket ``b``
   (1, 2, 3-4, 5-8, 9-16, 17+ tokens; one locus per bucket: the longest at the draft's first
   token, and after each draft token the loci that followed it thinned to the longest of each
-  bucket again, which drafts 6-11% faster at the same acceptance), ``stretch(p)``, ``p = count(t) / (count(all) + prior_s)``
+  bucket again, which drafts faster at the same acceptance), ``stretch(p)``, ``p = count(t) / (count(all) + prior_s)``
   clipped to ``[0.002, 0.998]`` (``stretch(p) = ln(p / (1 - p))``, read from a table in steps of
   1/4096); 0 where no locus is there;
 * ``[LONGEST + l * NT + s]``: ``stretch(p)`` at scope ``s``'s longest locus, where ``l`` is that
@@ -40,16 +40,15 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
   the context's last token ``prev`` (the pair hashed), and of ``t`` after any token: the trees
   count what rollouts wrote, these count what the current policy accepted when it was drafted
   (a token the policy keeps rejecting where the history repeats it, e.g. a number in a worked
-  solution, is drafted with less confidence everywhere; replay on three traces: +1.0-1.1%
-  acceptance at the same or fewer drafted tokens per accepted token, benchmarks/README.md); the
+  solution, is drafted with less confidence everywhere: more acceptance at the same or fewer
+  drafted tokens per accepted token on the replays, benchmarks/README.md); the
   counts fade by the drafter's ``decay`` per policy version, as its rollouts do;
 * ``[NIN - 4]`` (:data:`SUPPORT_RATE`): the same for ``t``'s *support profile*, per scope the
   match-length bucket of the longest context at which ``t`` has a count (or none; one of
   :data:`SUPPORT_ROWS` rows): how often a token with that profile was accepted. The other inputs
   enter the logit linearly; this one learns the acceptance of each combination of scopes and
   depths (e.g. deep in the problem tree but unseen in the global tree) on its own, as a PAQ
-  secondary estimate keyed by context order does (replay: +0.2-0.7% acceptance; at equal drafted
-  tokens per accepted one +0.3-0.4%);
+  secondary estimate keyed by context order does;
 * ``[NIN - 1]``: agreement, ``2 * (share of all loci whose most frequent next token is t) - 1``.
 
 Count levels. A locus's total weighted count (``count(all)``) says how much evidence its ``p``
@@ -57,17 +56,13 @@ rests on: ``1 / 1`` and ``90 / 100`` stretch to nearly the same input, and the p
 first only a little. So each scope's longest-locus input comes in :data:`COUNT_LEVELS` copies,
 one per level of that locus's total (below 2, 2 to 8, 8 and more), and the mixer learns a weight
 for each: how far a long context seen once can be trusted against one seen often (PAQ's mixers
-select their weights by such context confidence too). Replay on DSR-sub, where the defaults are
-chosen: +0.4-0.5% acceptance at 0.3-0.6% fewer drafted tokens per accepted one, at
-``min_token_prob`` 0.07, 0.1 and 0.13; on the other eleven traces -0.1% to +0.4% acceptance
-(benchmarks/README.md, "Count levels"). Three copies of every scope x bucket input as well (68
-inputs instead of 32) did no better on DSR-sub.
+select their weights by such context confidence too; benchmarks/README.md, "Count levels").
 
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
 scopes in order, longest locus first). The mixer's logit is ``w[set] . x`` with
 one weight set per draft position (0, 1, 2, 3+: later tokens are conditioned on earlier ones);
 the token with the largest logit is drafted with conditional probability ``q``, the mixer's
-``sigmoid(logit)`` through a calibration map (:func:`_calibrated`; at most 0.998, the inputs'
+``sigmoid(logit)`` through a calibration map (:func:`calibrated`; at most 0.998, the inputs'
 clip); the draft stops before its path probability (product of those) falls below ``min_prob``.
 
 Calibration (PAQ's adaptive probability maps, APM / SSE): two maps, one per weight set and one per
@@ -76,8 +71,7 @@ counted there (outcome table 3, starting from the mixer's own probability with
 :data:`APM_PRIOR` pseudo-drafts, fading as the other tables do); ``q`` is their interpolated
 mean, 3 : 1 with ``sigmoid(logit)``. The path probability is a product of ``q``'s, so an
 overconfident mixer drafts too far and an underconfident one stops too soon; the map corrects
-both from the outcomes (replay, with the stop token's outcomes below: +0.9-1.5% acceptance,
-benchmarks/README.md).
+both from the outcomes (benchmarks/README.md).
 
 Learning (:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose
 outcome is known (accepted tokens, then the first rejected one), conditional on the tokens before
@@ -97,7 +91,7 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from das._trie_kernels import (
+from das.trie_kernels import (
     C_BEST,
     C_DEPTH,
     C_TOKEN,
@@ -112,14 +106,14 @@ from das._trie_kernels import (
     S_BASE,
     S_LEN,
     S_LOCI,
-    _child_key,
-    _edge_token,
-    _find_child,
-    _find_locus,
-    _hash_slot,
     address_of,
     borrow,
+    child_key,
+    edge_token,
     fetch_add,
+    find_child,
+    find_locus_in,
+    hash_slot,
     prefetch,
     views_at,
 )
@@ -162,8 +156,8 @@ def initial_weights() -> np.ndarray:
 
 # The helpers below are plain njit functions, which LLVM inlines, not numba's inline="always":
 # numba's own inlining binds each array argument to a new variable and counts a reference to it
-# per call (a call and an atomic operation per locus in _mix). 6-7% less drafting time at 256
-# rows (benchmarks/README.md, "Drafting without atomic reference counts").
+# per call (a call and an atomic operation per locus in _mix; benchmarks/README.md, "Drafting
+# without atomic reference counts").
 @njit(cache=True)
 def _bucket(L):
     if L <= 2:
@@ -233,7 +227,7 @@ def _context_loci(ga, ca, cs, lu, ld, lL, tr):
     w = min(n, gmeta[M_MAX_DEPTH] - 1)
     found = 0  # a suffix absent from the tree has no longer one there either
     for L in range(1, w + 1):
-        u, d = _find_locus(gnodes, ghash, gmeta, gseqs, gpool, pool, end - L, end)
+        u, d = find_locus_in(gnodes, ghash, gmeta, gseqs, gpool, pool, end - L, end)
         if u < 0:
             break
         lu[tr, w - L] = u
@@ -286,7 +280,7 @@ def _rate_input(outcomes, table, i):
 
 
 @njit(cache=True)
-def _apm_knot(key, z):
+def apm_knot(key, z):
     """Outcome table 3's row of the knot at or below logit ``z`` for calibration map ``key``,
     and the interpolation weight of the next knot."""
     x = (min(max(z, -6.0), 6.0) + 6.0) * 2.0
@@ -303,12 +297,12 @@ def _apm_value(outcomes, row):
 @njit(cache=True)
 def _apm_read(outcomes, key, z):
     """Calibration map ``key`` at logit ``z``: its two nearest knots' values, interpolated."""
-    row, w = _apm_knot(key, z)
+    row, w = apm_knot(key, z)
     return (1.0 - w) * _apm_value(outcomes, row) + w * _apm_value(outcomes, row + 1)
 
 
 @njit(cache=True)
-def _calibrated(outcomes, so, sup, z):
+def calibrated(outcomes, so, sup, z):
     """The mixer's acceptance probability ``sigmoid(z)`` through an adaptive calibration map
     (PAQ's APM / secondary symbol estimation): per weight set, knots over the logit whose
     values are the acceptance rates counted there (outcome table 3), interpolated, and mixed
@@ -394,7 +388,7 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
          only, topn, kids, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers at ``addr[s]``,
-    :func:`das._trie_kernels.address_of`; ``tix[s] < 0``: scope ``s`` absent, its buffer a
+    :func:`das.trie_kernels.address_of`; ``tix[s] < 0``: scope ``s`` absent, its buffer a
     placeholder). Writes the draft to ``out_tok`` / ``out_prob`` (path probabilities), each
     token's inputs to ``xrow[j]`` and weight set to ``xset[j]``; returns its length. A draft that stops by its probability
     also writes the token it stopped before to ``stop[0]`` (left as the caller set it otherwise)."""
@@ -413,7 +407,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                 u = lu[s, i]
                 d = ld[s, i]
                 if d < nodes[u, C_DEPTH]:  # inside an edge: one continuation
-                    t = _edge_token(nodes, seqs, pool, u, d)
+                    t = edge_token(nodes, seqs, pool, u, d)
                     tot = weights[u, 0]
                     top = tot
                     only[ntop] = True
@@ -427,8 +421,8 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                         t = nodes[b, C_TOKEN]
                         top = weights[b, 0]
                     topn[ntop] = b
-                    # a node: look the token up (C_NCHILD == 1 is not trusted for this: in engine runs
-                    # skipping those lookups changed the drafts; benchmarks/README.md, "Step cost")
+                    # a node: the token is looked up as any candidate is, also where the node has one
+                    # child (taking C_NCHILD == 1 for "the only continuation" changes the drafts)
                     only[ntop] = False
                 tops[ntop] = t
                 topc[ntop] = top
@@ -486,7 +480,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                     elif only[j]:
                         st = _ST0  # t is not this locus's continuation
                     else:
-                        c = _find_child(nodes, hash_table, shift, lu[s, i], t)
+                        c = find_child(nodes, hash_table, shift, lu[s, i], t)
                         kids[ci * lw + j] = c  # where the locus goes if t is drafted
                         cnt = weights[c, 0] if c >= 0 else 0.0
                         st = _STRETCH[min(int(cnt / totp[j] * _LEVELS), _LEVELS - 1)] if cnt > 0.0 else _ST0
@@ -512,7 +506,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                     xrow[k, f] = sums[f]
         # clipped as the inputs are: the sum of many agreeing inputs is no certainty that a
         # sampling policy repeats a token (the cost budget prices draft tokens by these)
-        q = min(_calibrated(outcomes, so, bsup, bz), 1.0 - _CLIP)
+        q = min(calibrated(outcomes, so, bsup, bz), 1.0 - _CLIP)
         if P * q < min_prob:
             stop[0] = bt  # the token it would have drafted next: learned from if the draft is all accepted
             xset[k] = so
@@ -530,7 +524,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
         for s in range(NT):  # the new length-1 loci's hash slots (the root's children are hashed): their misses at once
             if tix[s] >= 0:
                 meta, nodes, weights, hash_table, seqs, pool = views_at(addr[s])
-                prefetch(hash_table, 2 * _hash_slot(_child_key(0, bt), meta[M_HASH_SHIFT], hash_table.shape[0] - 1))
+                prefetch(hash_table, 2 * hash_slot(child_key(0, bt), meta[M_HASH_SHIFT], hash_table.shape[0] - 1))
         li = 0
         for s in range(NT):  # every locus follows the drafted token
             if tix[s] < 0:
@@ -557,7 +551,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                     elif tops[j] >= 0:
                         c = kids[bci * lw + j]
                     else:
-                        c = _find_child(nodes, hash_table, shift, u, bt)
+                        c = find_child(nodes, hash_table, shift, u, bt)
                     if c < 0:
                         continue
                     u = c
@@ -565,14 +559,14 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                 ld[s, m] = d + 1
                 lL[s, m] = lL[s, i] + 1
                 m += 1
-            r = _find_child(nodes, hash_table, shift, 0, bt)
+            r = find_child(nodes, hash_table, shift, 0, bt)
             if r >= 0:
                 lu[s, m] = r
                 ld[s, m] = 1
                 lL[s, m] = 1
                 m += 1
-            # two loci in one bucket read nearly the same counts: keep the longest (benchmarks/README.md,
-            # "A later session on the same CPU: one locus per bucket at every draft position")
+            # two loci in one bucket read nearly the same counts: keep the longest (the same
+            # acceptance at less drafting time; benchmarks/README.md, "Step cost")
             nl[s] = _bucket_reps(lu, ld, lL, s, m)
             for i in range(nl[s]):  # the next position reads each locus's most frequent child: start those misses at once
                 b = nodes[lu[s, i], C_BEST]
@@ -609,7 +603,7 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
                        out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
     batches its rows. Each part claims the next undrafted row from a shared counter
-    (:func:`das._trie_kernels.fetch_add`) until none is left, so a part that drew short drafts
+    (:func:`das.trie_kernels.fetch_add`) until none is left, so a part that drew short drafts
     takes more rows instead of waiting for one that drew long ones. The same drafts. Rows only
     read the trees and the weights and write their own row and handle, so the handles must be
     distinct (the caller checks)."""
@@ -625,9 +619,8 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
     (``int64[1]``, from 0, shared by the parts; alone, a part takes every row in order) until
     every row is taken. With its own scratch arrays."""
-    # the scratch arrays are views of one block per dtype: 3 allocations instead of 20, which took
-    # about 0.7 us of a one-row call such as DASDrafter.speculate (its drafting: about 3.5 us from
-    # cached trees)
+    # the scratch arrays are views of one block per dtype: 3 allocations instead of 20, a large
+    # share of a one-row call such as DASDrafter.speculate
     W = NT * (D + 1)
     ib = np.empty((7 + MAX_CAND) * W + 3 * NT + 1, np.int64)
     fb = np.empty(3 * W + NT + 2 * NIN + 2, np.float64)
@@ -652,7 +645,7 @@ def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_p
     cnts = fb[3 * W + NT + NIN : 3 * W + NT + 2 * NIN]
     srange = fb[3 * W + NT + 2 * NIN : 3 * W + NT + 2 * NIN + 2]  # the support table's range of inputs (bounds any candidate's)
     only = np.empty(W, np.bool_)
-    # every array borrowed (das._trie_kernels.borrow): numba counts a reference, atomically,
+    # every array borrowed (das.trie_kernels.borrow): numba counts a reference, atomically,
     # whenever a variable or an inlined helper's parameter takes an array (several times per locus
     # in _mix; both threads count on the shared weights' and tables' counters). These arrays
     # outlive the call: the arguments are the caller's, the scratch arrays this function's.
@@ -770,7 +763,7 @@ def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, ou
             outcomes[2, dsup[h, j], 0] += y
             outcomes[2, dsup[h, j], 1] += 1.0
             for key in (so // NIN, NSETS + dsup[h, j]):
-                row, w = _apm_knot(key, z)
+                row, w = apm_knot(key, z)
                 outcomes[3, row, 0] += y * (1.0 - w)
                 outcomes[3, row, 1] += 1.0 - w
                 outcomes[3, row + 1, 0] += y * w
