@@ -28,7 +28,7 @@ import numpy as np
 
 from benchmarks._sim_engine import EngineParams
 from benchmarks._sim_place import run_cluster
-from benchmarks._sim_policy import make_policy
+from benchmarks._sim_budget import make_sim_budget
 from benchmarks._sim_workload import AcceptanceModel, LengthModel, prompt_lengths
 
 SWEEP_GPUS = (8, 32, 128, 512, 2048)
@@ -137,7 +137,7 @@ def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am:
         req = fresh()
 
         def factory(g: int, pol=pol):
-            return make_policy(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g)
+            return make_sim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g)
 
         gpus, _ = run_cluster(req, local_gpu, n_gpus, factory, params, gpu_ids=chosen, seed=seed)
         crit = max(gpus, key=lambda g: g.makespan_s)
@@ -201,9 +201,9 @@ def print_sweep(sw: dict) -> None:
 
 
 def plot_sweep(points: list[dict], path: Path) -> Path | None:
-    from benchmarks.simulate import _plt
+    from benchmarks._sim_report import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))

@@ -20,6 +20,8 @@ import math
 
 import numpy as np
 
+from scheduler.step_price import LinearPrice
+
 __all__ = ["TwoRegimeCost"]
 
 _NAMES = ("c_base", "c_row", "c_draft", "c_spec")
@@ -182,6 +184,18 @@ class TwoRegimeCost:
         """Predicted seconds of a step with ``rows`` rows and each of ``drafts`` (int array, > 0) draft tokens."""
         c = self._require()
         return c[0] + c[3] + c[1] * rows + c[2] * np.asarray(drafts, np.float64)
+
+    def price(self, rows: int) -> LinearPrice:
+        """The fitted price of a step of ``rows`` rows (:class:`scheduler.step_price.LinearPrice`):
+        plain ``c_base + c_row * rows``, speculative before drafts ``+ c_spec``, ``c_draft`` per
+        draft token (each time at least 1 ns).
+
+        Raises:
+            RuntimeError: nothing fitted yet.
+        """
+        c = self._require()
+        plain = max(float(c[0] + c[1] * rows), 1e-9)
+        return LinearPrice(plain, max(float(c[0]) + float(c[3]) + float(c[1]) * rows, 1e-9), float(c[2]), float(c[0]), float(c[1]))
 
     def _require(self) -> np.ndarray:
         coef = self._solve()
