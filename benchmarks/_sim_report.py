@@ -103,6 +103,7 @@ def plot_validation(table: dict, curves: dict, accept: dict, path: Path, title: 
 
 
 def print_table(out: dict, key: str, budgets, placements, args) -> None:
+    """Print the paper setting's tables and the validation lines of ``out`` (:func:`benchmarks.simulate.main`'s)."""
     from tabulate import tabulate
 
     table = out[key]
@@ -110,19 +111,20 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
     ls = out["lengths"]
     roof = out["costs"]["roofline"]
     lin = out["costs"]["eq1_offline_fit"]
-    print(f"{key}: {s['prompts']} prompts x {s['samples']} samples on {s['gpus']} GPUs, max {s['max_tokens']} tokens, K={s['max_draft']}, {s['seeds']} seeds (mean +- 95% t-interval)")
-    print(f"lengths (all seeds): mean {ls['mean']:.0f}, median {ls['median']:.0f}, p90 {ls['p90']:.0f}, at cap {100 * ls['capped_share']:.1f}% (in a repetition loop: {100 * ls['loop_share']:.1f}% of all rollouts)")
-    print(
-        f"roofline step: launch {1e3 * roof['launch_s']:.1f} ms + max(compute at {roof['flops_per_s'] / 1e12:.0f} TFLOP/s, memory at {roof['bytes_per_s'] / 1e12:.2f} TB/s); "
-        f"KV {roof['kv_capacity_tokens']} tokens/GPU; drafter {s['drafter_ms_per_256']:.2f} ms/step at 256 rows"
-    )
+    print(f"{key}: {s['prompts']} prompts x {s['samples']} samples on {s['gpus']} GPUs, max {s['max_tokens']} tokens, "
+          f"K={s['max_draft']}, {s['seeds']} seeds (mean +- 95% t-interval)")
+    print(f"lengths (all seeds): mean {ls['mean']:.0f}, median {ls['median']:.0f}, p90 {ls['p90']:.0f}, "
+          f"at cap {100 * ls['capped_share']:.1f}% (in a repetition loop: {100 * ls['loop_share']:.1f}% of all rollouts)")
+    print(f"roofline step: launch {1e3 * roof['launch_s']:.1f} ms + max(compute at {roof['flops_per_s'] / 1e12:.0f} TFLOP/s, "
+          f"memory at {roof['bytes_per_s'] / 1e12:.2f} TB/s); KV {roof['kv_capacity_tokens']} tokens/GPU; "
+          f"drafter {s['drafter_ms_per_256']:.2f} ms/step at 256 rows")
     ex = out["costs"]["step_examples"]
-    print(
-        f"decode step ms (rows, drafts/row, context/row): 256,0,3K {ex['rows256_d0_ctx3000']:.1f}; 256,4,3K {ex['rows256_d4_ctx3000']:.1f}; 256,16,3K {ex['rows256_d16_ctx3000']:.1f}; "
-        f"64,0,8K {ex['rows64_d0_ctx8000']:.1f}; 64,16,8K {ex['rows64_d16_ctx8000']:.1f}; 1,0,12K {ex['rows1_d0_ctx12000']:.2f}; 1,16,12K {ex['rows1_d16_ctx12000']:.2f}; "
-        f"free draft tokens (knee): 256 rows x 3K {ex['knee_draft_tokens_rows256_ctx3000']:.0f}, 64 x 8K {ex['knee_draft_tokens_rows64_ctx8000']:.0f}, 4 x 12K {ex['knee_draft_tokens_rows4_ctx12000']:.0f}"
-    )
-    print(f"Eq. 1 fitted offline to it (class-eq9): c_base {1e3 * lin['c_base']:.2f} ms, c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
+    steps = "; ".join(f"{r},{d},{c // 1000}K {ex[f'rows{r}_d{d}_ctx{c}']:.{2 if r == 1 else 1}f}"
+                      for r, d, c in ((256, 0, 3000), (256, 4, 3000), (256, 16, 3000), (64, 0, 8000), (64, 16, 8000), (1, 0, 12000), (1, 16, 12000)))
+    knees = ", ".join(f"{r} rows x {c // 1000}K {ex[f'knee_draft_tokens_rows{r}_ctx{c}']:.0f}" for r, c in ((256, 3000), (64, 8000), (4, 12000)))
+    print(f"decode step ms (rows, drafts/row, context/row): {steps}; free draft tokens (knee): {knees}")
+    print(f"Eq. 1 fitted offline to it (class-eq9, and the priced budgets' price): c_base {1e3 * lin['c_base']:.2f} ms, "
+          f"c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
     heads = ["budget"] + [f"placement {pl}" for pl in placements]
     right = ["left"] + ["right"] * len(placements)
 
@@ -130,22 +132,26 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
         r = table.get(config_name(p, pl))
         return fmt(r) if r else "-"
 
+    def makespan(r: dict) -> str:
+        return f"{r['makespan_s']:.1f}+-{r['makespan_s_ci95']:.1f} ({100 * r['cut_vs_none']:+.0f}%)"
+
+    def same_cut(r: dict) -> str:
+        return f"{100 * r['cut_vs_none_same_placement']:.1f}+-{100 * r['cut_vs_none_same_placement_ci95']:.1f}%"
+
     print("makespan s, mean +- 95% interval (cut vs none, placement none)")
-    rows = [[p] + [cell(p, pl, lambda r: f"{r['makespan_s']:.1f}+-{r['makespan_s_ci95']:.1f} ({100 * r['cut_vs_none']:+.0f}%)") for pl in placements]
-            for p in budgets]
-    print(tabulate(rows, heads, colalign=right, disable_numparse=True))
+    print(tabulate([[p] + [cell(p, pl, makespan) for pl in placements] for p in budgets], heads, colalign=right, disable_numparse=True))
     print("cut vs none at the same placement, mean +- 95% interval")
-    rows = [[p] + [cell(p, pl, lambda r: f"{100 * r['cut_vs_none_same_placement']:.1f}+-{100 * r['cut_vs_none_same_placement_ci95']:.1f}%")
-                   for pl in placements] for p in budgets[1:]]
-    print(tabulate(rows, heads, colalign=right, disable_numparse=True))
+    print(tabulate([[p] + [cell(p, pl, same_cut) for pl in placements] for p in budgets[1:]], heads, colalign=right, disable_numparse=True))
     for n in [n for n in table if n.endswith(")")]:
         r = table[n]
         base = table.get(n.split(" (")[0], r)
-        print(f"extra: {n}: {r['makespan_s']:.1f} +- {r['makespan_s_ci95']:.1f} s ({100 * r['cut_vs_none']:+.0f}%), preemptions {r['preemptions']:.1f} (as listed: {base['makespan_s']:.1f} s, {base['preemptions']:.1f})")
+        print(f"extra: {n}: {r['makespan_s']:.1f} +- {r['makespan_s_ci95']:.1f} s ({100 * r['cut_vs_none']:+.0f}%), "
+              f"preemptions {r['preemptions']:.1f} (as listed: {base['makespan_s']:.1f} s, {base['preemptions']:.1f})")
     rows = [[n, *(float(r[k]) for k in ("tokens_per_row_step", "drafted_per_token", "preemptions", "moves"))] for n, r in table.items()]
     print(tabulate(rows, ["budget+placement", "tok/row-step", "drafted/tok", "preempt", "moves"], floatfmt=["", ".2f", ".2f", ".1f", ".1f"]))
     lb = out["lower_bound_s"]
-    print(f"lower bound, the longest request alone at one-row step cost (mean over seeds): {lb['none']:.1f} s without drafts, {lb['speculative']:.1f} s with them")
+    print(f"lower bound, the longest request alone at one-row step cost (mean over seeds): {lb['none']:.1f} s without drafts, "
+          f"{lb['speculative']:.1f} s with them")
     v = out["validation"]
     sv = v["shipped_vs_paper"]
     if "shipped_cut_vs_other" in sv:
@@ -154,24 +160,23 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
               f"+- {100 * sv['shipped_cut_vs_other_ci95']:.1f} shorter than {sv['other']}'s (paired per seed)")
     f8 = v["fig8_makespan"]
     if f8["best_length_aware"]:
-        print(f"validation Fig. 8: best length-aware {f8['best_length_aware']}: cut {100 * f8['best_cut']:.1f}% +- {100 * f8['best_cut_ci95']:.1f} vs none (paper: > 50%)")
+        print(f"validation Fig. 8: best length-aware {f8['best_length_aware']}: cut {100 * f8['best_cut']:.1f}% +- "
+              f"{100 * f8['best_cut_ci95']:.1f} vs none (paper: > 50%)")
     for pl, f in v["fig10_unlimited_vs_length_aware"]["simulator"].items():
-        print(f"validation Fig. 10 (placement {pl}): {f['unlimited']} slower than {f['best_length_aware']} by {100 * f['unlimited_slower_by']:.1f}% +- {100 * f['unlimited_slower_by_ci95']:.1f} (paper: up to 15%)")
+        print(f"validation Fig. 10 (placement {pl}): {f['unlimited']} slower than {f['best_length_aware']} by "
+              f"{100 * f['unlimited_slower_by']:.1f}% +- {100 * f['unlimited_slower_by_ci95']:.1f} (paper: up to 15%)")
     for name, f in v["fig1_running_requests"]["simulator"].items():
-        print(
-            f"validation Fig. 1 ({name}, seed 0): batch below 50% at {f['t_below_50pct_s']:.0f} s, below 10% at {f['t_below_10pct_s']:.0f} s "
-            f"(steps {f['steps_below_50pct_on_last_gpu']} / {f['steps_below_10pct_on_last_gpu']} of {f['steps_on_last_gpu']} on the last GPU); {100 * f['tail_share_below_10pct']:.0f}% of the makespan below 10%"
-        )
+        print(f"validation Fig. 1 ({name}, seed 0): batch below 50% at {f['t_below_50pct_s']:.0f} s, below 10% at {f['t_below_10pct_s']:.0f} s "
+              f"(steps {f['steps_below_50pct_on_last_gpu']} / {f['steps_below_10pct_on_last_gpu']} of {f['steps_on_last_gpu']} on the last GPU); "
+              f"{100 * f['tail_share_below_10pct']:.0f}% of the makespan below 10%")
     acc = v["fig4_acceptance"]["simulator"]
     if acc:
-        print(
-            f"validation Fig. 4 (fixed, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, in loops {acc['overall_tokens_per_step_in_loops']:.2f}; "
-            "by finished siblings on the engine ("
-            + ", ".join(f"{c}: {x:.2f}" for c, x in enumerate(acc["tokens_per_step_by_finished_siblings"]) if c % 5 == 0 or c == len(acc["tokens_per_step_by_finished_siblings"]) - 1)
-            + "); all rows by position (K tokens): "
-            + ", ".join(f"{p / 1000:.1f}: {x:.2f}" for j, (p, x) in enumerate(zip(acc["position_tokens"], acc["tokens_per_step_all_rows"])) if j % 3 == 0 or j == len(acc["position_tokens"]) - 1)
-        )
+        sib = acc["tokens_per_step_by_finished_siblings"]
+        pos = acc["position_tokens"]
+        print(f"validation Fig. 4 (fixed, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, "
+              f"in loops {acc['overall_tokens_per_step_in_loops']:.2f}; by finished siblings on the engine ("
+              + ", ".join(f"{c}: {x:.2f}" for c, x in enumerate(sib) if c % 5 == 0 or c == len(sib) - 1)
+              + "); all rows by position (K tokens): "
+              + ", ".join(f"{p / 1000:.1f}: {x:.2f}" for j, (p, x) in enumerate(zip(pos, acc["tokens_per_step_all_rows"])) if j % 3 == 0 or j == len(pos) - 1))
     if out.get("plot"):
         print(f"plot: {out['plot']}")
-
-

@@ -26,9 +26,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._sim_budget import make_sim_budget
 from benchmarks._sim_engine import EngineParams
 from benchmarks._sim_place import run_cluster
-from benchmarks._sim_budget import make_sim_budget
 from benchmarks._sim_workload import AcceptanceModel, LengthModel, prompt_lengths
 
 SWEEP_GPUS = (8, 32, 128, 512, 2048)

@@ -33,19 +33,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks._sim_budget import BUDGETS, make_sim_budget
 from benchmarks._sim_engine import DONE, EngineParams, Requests
 from benchmarks._sim_place import PLACEMENTS, assign, run_cluster
 from benchmarks._sim_report import batch_curve, config_name, plot_validation, print_table
-from benchmarks._sim_budget import BUDGETS, make_sim_budget
-from das.config import DASConfig
 from benchmarks._sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
+from das.config import DASConfig
 from scheduler import LengthPredictor, budgets
 from scheduler.class_budgets import DAS_GATE, DAS_QUOTA
 
@@ -406,9 +405,9 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate)
             per_seed.setdefault(name, []).append(r)
             if pl == "none" and kv and not variant:
-                prof = profiles.setdefault(pol, [np.zeros((2, 16, 3)), np.zeros((args.samples, 3))])
+                prof = profiles.setdefault(pol, [np.zeros_like(r["_stats_pos"]), np.zeros_like(r["_stats_sib"])])
                 prof[0] += r["_stats_pos"]
-                prof[1] += r["_stats_sib"][: args.samples]
+                prof[1] += r["_stats_sib"]
             if "_curves" in r:
                 curves[name] = {"curves": r["_curves"], "makespan": r["makespan_s"]}
     table = aggregate(per_seed)

@@ -31,8 +31,8 @@ from scheduler.cost_model import CostModel
 from scheduler.eq7 import Eq7Budget, Eq7Plan, Eq7Solver, optimal_proposals, round_caps, solve_n_fwd, step_saves_time
 from scheduler.interleave import METHODS as INTERLEAVE_METHODS
 from scheduler.interleave import assign_groups, compare_assignments, worker_loads
-from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredictor, Prediction, classify, confusion_matrix, evaluate_predictor
 from scheduler.planner import StepPlanner
+from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredictor, Prediction, classify, confusion_matrix, evaluate_predictor
 from scheduler.priced_budgets import CostBudget, MakespanBudget
 from scheduler.speculation import RequestCaps, SpeculationScheduler, static_budgets
 from scheduler.step_price import LinearPrice

@@ -22,7 +22,7 @@ import numpy as np
 
 from scheduler.step_price import LinearPrice
 
-__all__ = ["TwoRegimeCost"]
+__all__ = ["TwoRegimeCost", "best_subset_fit"]
 
 _NAMES = ("c_base", "c_row", "c_draft", "c_spec")
 _SCALE = np.array([1.0, 1e-2, 1e-2, 1.0])  # features in units of 100 tokens: well-conditioned sums
@@ -50,7 +50,7 @@ def _subset_fit(xtx: np.ndarray, xty: np.ndarray, mask: int) -> np.ndarray | Non
     return full
 
 
-def _best_subset_fit(xtx: np.ndarray, xty: np.ndarray, yty: float, hint: int = 15) -> np.ndarray | None:
+def best_subset_fit(xtx: np.ndarray, xty: np.ndarray, yty: float, hint: int = 15) -> np.ndarray | None:
     """Non-negative least squares over the 4 coefficients from the normal equations, by subsets.
 
     Every subset of the coefficients that keeps ``c_base`` is solved unconstrained; among the
@@ -160,7 +160,7 @@ class TwoRegimeCost:
         scale_t = max(self._yty, 1e-12) ** 0.5 / max(self._xtx[0, 0], 1.0) ** 0.5  # seconds per step, typical
         for row in (np.array([0.0, -1.0, 1.0, 0.0]) * scale_t, np.array([0.0, 0.0, 0.0, 1.0])):
             xtx += self.prior_weight * np.outer(row, row)
-        best = _best_subset_fit(xtx, xty, self._yty, self._support)
+        best = best_subset_fit(xtx, xty, self._yty, self._support)
         if best is not None:
             self._support = sum(1 << i for i in range(4) if best[i] > 0.0)
         self._coef = None if best is None else best * _SCALE

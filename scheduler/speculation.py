@@ -116,8 +116,10 @@ class SpeculationScheduler:
         if b == 0:
             return np.zeros(0, np.int32)
 
+        def as_f(x) -> np.ndarray | None:
+            return None if x is None else np.asarray(x, np.float64)
+
         def facts() -> RowFacts:
-            as_f = (lambda x: None if x is None else np.asarray(x, np.float64))
             return RowFacts(self.predictor, np.asarray(problem_idx, np.int64), g, np.full(b, float(self.predictor.max_tokens)),
                             as_f(drafted), as_f(accepted), as_f(steps), as_f(context_tokens), as_f(remaining), as_f(k), as_f(a))
 

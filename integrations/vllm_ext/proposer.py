@@ -17,29 +17,19 @@ move, requests finish out of order, a request is preempted and resumed (its toke
 reconciled from ``token_ids_cpu``), prefill is chunked (a row that sampled nothing gets no
 draft), and n > 1 samples share a prompt (each sample is its own request, all in one problem tree).
 
-Per-request options ride on ``SamplingParams.extra_args``:
-``das_problem_id`` (str: the problem's id, instead of the hash of the prompt token ids),
-``das_max_draft_tokens`` (int: this request's speculation budget per step, 0 = no drafting) and
-``das_warmup`` (bool: a request that only warms the engine up; it gets no drafts and the drafter
-never sees it, so no tree and no length history holds it).
+Per-request options ride on ``SamplingParams.extra_args`` (``das_problem_id``, ``das_max_draft_tokens``,
+``das_warmup``: :func:`integrations.vllm_ext.request_state.request_options`). Settings
+(``additional_config['das']``): the keys of :class:`das.config.DASConfig`; the speculation budget
+(``budget``, default ``cost``) is one of :data:`BUDGETS` (:mod:`scheduler.budgets`), and
+``c_base``/``c_tok`` (seconds) fix the step price instead of the online fit. What is measured and
+decided per step is the :class:`scheduler.planner.StepPlanner`'s; this module maps rows to
+requests, keeps their state, counts, isolates failures and writes the step log.
 
-Settings (``additional_config['das']``): the keys of :class:`das.config.DASConfig`, which holds
-their defaults and ranges; :func:`das_section` checks them when the proposer is built. The
-speculation budget (``budget``, default ``cost``) is one of :data:`BUDGETS`
-(:mod:`scheduler.budgets` describes each); ``c_base``/``c_tok`` (seconds) fix the step price
-instead of the online fit. What is measured and decided per step (the step-cost fits, the
-acceptance calibration, the payoff guard, warm-up and exploration, the budget) is the
-:class:`scheduler.planner.StepPlanner`'s; this module maps rows to requests, keeps their state,
-counts, isolates failures and writes the step log. The length history behind the length-aware
-budgets is the lengths of the rollouts this proposer saw finish, added at each ``begin_iteration``.
-
-Step log: with the environment variable ``DAS_STEP_LOG`` set to a file path, every clean decode
-step is appended to that file as one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens
-and accepted draft tokens, the accepted draft tokens its drafts' calibrated probabilities
-predicted, its seconds, whether the cost fit used it (``false``: an idle gap or a warm-up step),
-and the two-regime fit after it (``null`` before one exists). It is how a fit that prices drafts
-wrong shows itself (docs/benchmarks.md). Engines in several processes may share one file: each
-line has its ``pid``.
+Step log: with ``DAS_STEP_LOG`` set to a file path, every clean decode step is appended to it as
+one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens, accepted draft tokens and what
+its drafts' calibrated probabilities predicted, its seconds, whether the cost fit used it
+(``false``: an idle gap or a warm-up step) and the two-regime fit after it (``null`` before one
+exists); each line has its ``pid`` (engines in several processes may share one file).
 """
 
 from __future__ import annotations
@@ -56,10 +46,11 @@ from typing import Any
 
 import numpy as np
 
-from das.config import BUDGET_KEYS, DRAFTER_KEYS, das_config
+from das.config import BUDGET_KEYS, das_config
 from das.drafter import DASDrafter
 from das.warmup import warm_up
 from integrations.vllm_ext import fixes as vllm_fixes
+from integrations.vllm_ext.request_state import LengthHistory, RequestState, request_options
 from scheduler import budgets
 from scheduler.budget_protocol import Drafts, RowFacts, StepView
 from scheduler.planner import StepPlanner
@@ -95,59 +86,6 @@ class ProposerStats:
 
     def as_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
-
-
-@dataclasses.dataclass(slots=True)
-class _Req:
-    """What the proposer keeps per live request that a step does not touch; the rest is in :class:`_ReqState` at ``slot``."""
-
-    problem_id: Any  # None for a request with bad options (``_ReqState.tracked`` False at its slot)
-    slot: int
-
-
-class _ReqState:
-    """Per-request numbers a step reads and writes, one array each, indexed by the request's slot,
-    so that a step's bookkeeping is a few vector operations over its rows, not a Python loop.
-
-    ``seen``: tokens (prompt + output) given to the drafter (``prompt_len`` of them the prompt's,
-    at most ``max_tokens`` output tokens); ``cap``: the request's own draft cap per step
-    (``das_max_draft_tokens``, default K); ``drafted`` / ``accepted``: draft tokens offered /
-    accepted so far; ``steps``: verification steps so far; ``last_len``: draft tokens offered last
-    step, ``last_psum`` the sum of their calibrated path probabilities and ``last_probs[:, :k]``
-    their raw path probabilities (float32, for the reliability bins); ``predicted``: the sum of the
-    path probabilities of all drafts offered (expected accepted); ``tracked``: False for a request
-    with bad options."""
-
-    INT = ("seen", "cap", "drafted", "accepted", "steps", "last_len", "prompt_len", "max_tokens")
-    FLOAT = ("last_psum", "predicted")
-
-    def __init__(self, k: int, slots: int = 64):
-        for name in self.INT:
-            setattr(self, name, np.zeros(slots, np.int64))
-        for name in self.FLOAT:
-            setattr(self, name, np.zeros(slots, np.float64))
-        self.tracked = np.zeros(slots, bool)
-        self.last_probs = np.zeros((slots, max(k, 1)), np.float32)
-        self.free = list(range(slots - 1, -1, -1))
-
-    def take(self, prompt_len: int, max_tokens: int, cap: int, tracked: bool) -> int:
-        """A slot for a new request, its numbers zeroed (twice the arrays when none is free)."""
-        if not self.free:
-            n = self.seen.shape[0]
-            for name in (*self.INT, *self.FLOAT, "tracked", "last_probs"):
-                a = getattr(self, name)
-                setattr(self, name, np.concatenate([a, np.zeros_like(a)]))
-            self.free = list(range(2 * n - 1, n - 1, -1))
-        i = self.free.pop()
-        for name in self.INT:
-            getattr(self, name)[i] = 0
-        for name in self.FLOAT:
-            getattr(self, name)[i] = 0.0
-        self.seen[i] = self.prompt_len[i] = prompt_len
-        self.max_tokens[i] = max_tokens
-        self.cap[i] = cap
-        self.tracked[i] = tracked
-        return i
 
 
 def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -217,23 +155,19 @@ class DASProposer:
         self.planner = StepPlanner(budget, cost=cost, given_costs=given, stats=self.stats,
                                    step_log=self._log_step if self._step_log is not None else None)
         self._last_drafted = 0  # draft tokens verified in the step now running
-        self.predictor = None  # LengthPredictor of the length-aware budgets, built on first use
-        self._finished_lengths: dict[str, list[int]] = {}  # problem id -> output lengths, since last iteration
+        self.lengths = LengthHistory()  # the length-aware budgets' history of finished rollouts
         self.runner = runner if runner is not None else _find_model_runner()
         if self.runner is None:
             raise RuntimeError("DASProposer must be constructed by a vLLM model runner (speculative_config method "
                                "'custom_class'); no runner was found on the call stack")
-        self._reqs: dict[str, _Req] = {}  # live request id -> its bookkeeping
         self._slot_of: dict[str, int] = {}  # live request id -> its slot in self._state
-        self._state = _ReqState(self.k)
+        self._state = RequestState(self.k)
         self._last_error_log = 0.0
         _INSTANCES.add(self)
 
     @staticmethod
     def _warm_up(drafter_cfg: dict[str, Any]) -> None:
-        """Compile or load the drafter's kernels now, at engine start, not in the first decode
-        steps (:mod:`das.warmup`). A failure here only moves that work back to the first steps:
-        logged, never raised."""
+        """Compile or load the drafter's kernels at engine start (:mod:`das.warmup`); a failure is logged, never raised."""
         try:
             seconds = warm_up(**drafter_cfg)
         except Exception as exc:  # noqa: BLE001 - the engine must start; the kernels still compile on first use
@@ -249,18 +183,13 @@ class DASProposer:
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 slot_mappings: Any = None) -> list[list[int]]:
-        """Draft tokens for every row of this engine step.
+        """Draft tokens for every row of this engine step: one list of at most K token ids per row.
 
-        Args:
-            sampled_token_ids: per row, the tokens accepted this step (bonus token included);
-                empty for a row still in (chunked) prefill.
-            num_tokens_no_spec: ``[max_num_reqs]`` int, tokens (prompt + output) per row.
-            token_ids_cpu: ``[max_num_reqs, max_model_len]`` int32, each row's tokens.
-            slot_mappings: unused.
-
-        Returns:
-            One list of at most K draft token ids per row. Never raises: a failure gives every row
-            an empty draft, is counted in ``stats.failures`` and logged (at most every 10 s).
+        ``sampled_token_ids``: per row, the tokens accepted this step (bonus token included; empty
+        for a row still in (chunked) prefill); ``num_tokens_no_spec``: ``[max_num_reqs]`` int, tokens
+        (prompt + output) per row; ``token_ids_cpu``: ``[max_num_reqs, max_model_len]`` int32, each
+        row's tokens. Never raises: a failure gives every row an empty draft, is counted in
+        ``stats.failures`` and logged (at most every 10 s).
         """
         t0 = time.perf_counter()
         try:
@@ -288,7 +217,7 @@ class DASProposer:
         slots = np.fromiter(map(self._slot_of.get, req_ids[:rows], repeat(-1, rows)), np.int64, rows)
         clean = rows > 0  # every row decoded last step too: the step time is a fit sample
         for row in np.flatnonzero(slots < 0).tolist():
-            slots[row] = self._start(req_ids[row], row, requests, token_ids_cpu).slot
+            slots[row] = self._start(req_ids[row], row, requests, token_ids_cpu)
             clean = False
         tracked = st.tracked[slots]  # False: bad options, never drafts, leaves nothing in the drafter
         st.seen[slots[~tracked]] = counts[~tracked]
@@ -299,11 +228,8 @@ class DASProposer:
         verified = np.flatnonzero(grown & (last_len > 0) & (gained <= last_len + 1))  # rows whose last drafts were verified
         step_accepted, step_predicted = 0, 0.0  # what the forward pass that just ran accepted, and what its drafts predicted
         if verified.shape[0]:
-            vs = slots[verified]
-            acc = gained[verified] - 1
-            psum = st.last_psum[vs]
-            st.accepted[vs] += acc
-            st.predicted[vs] += psum
+            vs, acc = slots[verified], gained[verified] - 1
+            psum = st.verified(vs, acc)
             step_accepted, step_predicted = self.planner.observe_verified(acc, psum, st.last_probs[vs], last_len[verified])
         grown_rows = np.flatnonzero(grown)
         if grown_rows.shape[0]:  # one numba call inserts every row's verified tokens
@@ -328,36 +254,23 @@ class DASProposer:
         view = StepView(caps, live, facts=lambda: self._facts(live_slots, live, req_ids), accepted=st.accepted[live_slots],
                         predicted=st.predicted[live_slots])
         found, n = self.planner.decide(view, lambda c, min_prob: self._speculate(live, c, req_ids, min_prob), self.drafter.min_token_prob)
-        out: list[list[int]] = [[] for _ in range(rows)]
-        drafting = np.flatnonzero(n)
+        drafting = st.offered(slots, live, n, found.probs, self.planner.acceptance)
         total = int(n.sum())
         self._last_drafted += total
         self.stats.drafts += drafting.shape[0]
         self.stats.draft_tokens += total
-        idle = slots[live & (n == 0)]  # live rows without a draft this step
-        st.last_len[idle] = 0
-        st.last_psum[idle] = 0.0
-        if drafting.shape[0]:
-            # a row's kept tokens and probabilities, and their calibrated sum (expected accepted tokens)
-            probs = found.probs
-            ns = n[drafting]
-            kept = probs[drafting][np.arange(probs.shape[1]) < ns[:, None]]
-            ds = slots[drafting]
-            st.last_len[ds] = ns
-            st.last_probs[ds, : probs.shape[1]] = probs[drafting]
-            st.last_psum[ds] = np.add.reduceat(self.planner.acceptance(kept), np.cumsum(ns) - ns)
-            st.drafted[ds] += ns
-            for row, k, toks in zip(drafting.tolist(), ns.tolist(), found.tokens[drafting].tolist()):
-                out[row] = toks[:k]
-        if len(self._reqs) > len(requests):
+        out: list[list[int]] = [[] for _ in range(rows)]
+        for row, k, toks in zip(drafting.tolist(), n[drafting].tolist(), found.tokens[drafting].tolist()):
+            out[row] = toks[:k]
+        if len(self._slot_of) > len(requests):
             self._release_finished(requests)
         return out
 
     def _facts(self, s: np.ndarray, live: np.ndarray, req_ids: list) -> RowFacts:
         """The length facts of the live rows (slots ``s``), for the length-aware budgets."""
         st = self._state
-        pred = self._length_predictor(s)
-        pids = [self._reqs[req_ids[row]].problem_id for row in np.flatnonzero(live).tolist()]
+        pred = self.lengths.predictor(st.max_tokens[s], self.drafter.policy_version)
+        pids = [st.problem_id[slot] for slot in s.tolist()]
         return RowFacts(pred, pred.index(pids), (st.seen[s] - st.prompt_len[s]).astype(np.float64), st.max_tokens[s],
                         st.drafted[s].astype(np.float64), st.accepted[s].astype(np.float64), st.steps[s].astype(np.float64))
 
@@ -377,8 +290,8 @@ class DASProposer:
         tokens[sub], probs[sub], lengths[sub] = found.tokens, found.probs, found.lengths
         return Drafts(probs, lengths, tokens)
 
-    def _start(self, req_id: str, row: int, requests: dict, token_ids_cpu: np.ndarray) -> _Req:
-        """Bookkeeping for a request seen for the first time; a request with bad options is isolated.
+    def _start(self, req_id: str, row: int, requests: dict, token_ids_cpu: np.ndarray) -> int:
+        """Bookkeeping for a request seen for the first time (returns its slot); a request with bad options is isolated.
 
         A bad ``extra_args`` value costs that request its drafts only: it is counted in
         ``stats.bad_requests``, logged, and never enters the drafter. A ``das_warmup`` request is
@@ -390,68 +303,44 @@ class DASProposer:
         max_tokens = min(int(getattr(params, "max_tokens", None) or self.max_model_len), self.max_model_len)
         pid, cap, tracked = None, 0, False  # untracked: no drafts, never in the drafter (a warm-up or bad request)
         try:
-            extra = getattr(params, "extra_args", None) or {}
-            if not isinstance(extra, dict):
-                raise ValueError(f"extra_args must be a dict, got {type(extra).__name__}")
-            cap = extra.get("das_max_draft_tokens", self.k)
-            if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0:
-                raise ValueError(f"das_max_draft_tokens must be an int >= 0, got {cap!r}")
-            pid = extra.get("das_problem_id")
-            if pid is not None and not isinstance(pid, (str, int)):
-                raise ValueError(f"das_problem_id must be a str or int, got {type(pid).__name__}: {pid!r}")
-            warm = extra.get("das_warmup", False)
-            if not isinstance(warm, bool):
-                raise ValueError(f"das_warmup must be a bool, got {type(warm).__name__}: {warm!r}")
+            pid, cap, warm = request_options(params, self.k)
             if not warm:
                 pid = self.drafter.start_request(req_id, token_ids_cpu[row, :num_prompt], problem_id=pid)
                 tracked = True
         except Exception as exc:  # noqa: BLE001 - one request's bad input must not stop the batch
             self.stats.bad_requests += 1
             logger.warning("das: request %s gets no drafts: %s", req_id, exc)
-        slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, int(cap) if tracked else 0, tracked)
-        req = self._reqs[req_id] = _Req(pid if tracked else None, slot)
-        return req
+        slot = self._slot_of[req_id] = self._state.take(num_prompt, max_tokens, int(cap) if tracked else 0, tracked, pid if tracked else None)
+        return slot
 
     def _log_step(self, record: dict[str, Any]) -> None:
         rec = {"pid": os.getpid(), **record}
         self._step_log.write(json.dumps({k: rec[k] for k in STEP_LOG_FIELDS}) + "\n")
 
-    def _length_predictor(self, s: np.ndarray) -> Any:
-        """The length history of the rollouts this proposer saw finish (built on first use, sized by
-        the largest ``max_tokens`` of the requests at slots ``s``; fed at each ``begin_iteration``)."""
-        if self.predictor is None:
-            from scheduler.predictor import LengthPredictor
-
-            self.predictor = LengthPredictor(int(self._state.max_tokens[s].max()))
-            self._flush_lengths()
-        return self.predictor
+    @property
+    def predictor(self) -> Any:
+        """The :class:`scheduler.predictor.LengthPredictor` of the finished rollouts' lengths (None until a budget first reads it)."""
+        return self.lengths.model
 
     def _release_finished(self, requests: dict) -> None:
         # A finished request leaves the runner's request table (a preempted one stays); its
         # rollout stays in the problem tree, only the per-request state is freed, and its length
         # joins the history the length-aware budgets learn from.
-        for req_id in [r for r in self._reqs if r not in requests]:
-            req = self._reqs.pop(req_id)
-            del self._slot_of[req_id]
-            st, slot = self._state, req.slot
+        st = self._state
+        for req_id in [r for r in self._slot_of if r not in requests]:
+            slot = self._slot_of.pop(req_id)
             st.free.append(slot)
             if not st.tracked[slot]:
                 continue
-            self._finished_lengths.setdefault(req.problem_id, []).append(int(st.seen[slot] - st.prompt_len[slot]))
+            self.lengths.finished(st.problem_id[slot], int(st.seen[slot] - st.prompt_len[slot]))
             self.drafter.stop_request(req_id)
-
-    def _flush_lengths(self) -> None:
-        if self.predictor is not None:
-            for pid, lengths in self._finished_lengths.items():
-                self.predictor.observe(pid, self.drafter.policy_version, np.minimum(lengths, self.predictor.max_tokens))
-            self._finished_lengths.clear()
 
     # ---- control verbs, reached from the driver through LLM.collective_rpc (see integrations.vllm_ext.control)
     def begin_iteration(self, policy_version: int) -> None:
         """Advance the drafter's window to ``policy_version`` (see DASDrafter.begin_iteration) and
         add the lengths of the rollouts finished since the last call to the length history."""
         self._release_finished(self.runner.requests)
-        self._flush_lengths()
+        self.lengths.flush(self.drafter.policy_version)
         self.drafter.begin_iteration(policy_version)
 
     def snapshot(self) -> dict[str, Any]:
