@@ -19,6 +19,10 @@ Where the product measures, the simulator stands in with its models:
   is accepted with probability ``tau(j) - tau(j - 1)``, the expected tokens per step ``tau`` of
   the row's state, up to the drafter's natural draft length outside a loop and K in one); a
   re-plan where no draft can pay turns the drafter off (the product skips its lookups then);
+  With ``price="knee"`` (``benchmarks.simulate --knee-price``, an experiment for a price that
+  learns the knee, not what the product has) the price is instead the roofline's own at the
+  step: a plain step's seconds, draft tokens free up to the knee
+  (:meth:`benchmarks._sim_workload.Roofline.free_draft_tokens`) and priced at their compute above it;
 * ``eq7`` fits its Eq. 1 + context cost model online from the simulated step times with 5% noise;
 * ``class-eq9`` gets the same offline Eq. 1 constants, as the paper fits them offline.
 
@@ -50,10 +54,14 @@ class SimBudget:
         seed: seed of the step-time noise the cost model sees.
         noise: relative noise of those step times.
         kv_aware: drafts never force a preemption.
+        price: ``"linear"`` (the offline Eq. 1 line) or ``"knee"`` (the roofline's price at the step), for a priced budget.
     """
 
     def __init__(self, budget: Budget, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, cost: CostModel | None = None,
-                 seed: int = 0, noise: float = 0.05, kv_aware: bool = True):
+                 seed: int = 0, noise: float = 0.05, kv_aware: bool = True, price: str = "linear"):
+        if price not in ("linear", "knee"):
+            raise ValueError(f"price must be 'linear' or 'knee', got {price!r}")
+        self.price = price
         self.budget = budget
         self.name = budget.name
         self.pred = predictor
@@ -89,7 +97,7 @@ class SimBudget:
             r.steps[rows], context=r.prompt[rows] + r.gen[rows]))
         caps = self.budget.plan(step)
         if self.budget.priced:
-            step.price = LinearPrice.given(self.linear_cost["c_base"], self.linear_cost["c_tok"], n)
+            step.price = self.step_price(gpu, rows)
             step.calibration = np.ones(n)
             drafts = self.candidates(gpu, rows, caps)
             offered = drafts.lengths > 0
@@ -99,6 +107,20 @@ class SimBudget:
         r.caps[rows] = caps
         order = self.budget.priority(step)
         gpu.order = rows.copy() if order is None else rows[order]
+
+    def step_price(self, gpu, rows: np.ndarray) -> LinearPrice:
+        """The price of a step of ``rows`` (module doc): the offline Eq. 1 line, or the roofline's
+        own with a knee (a memory-bound step: its fixed cost is the whole plain step, a row's own
+        cost its KV read)."""
+        n = rows.size
+        if self.price == "linear":
+            return LinearPrice.given(self.linear_cost["c_base"], self.linear_cost["c_tok"], n)
+        roof = gpu.p.roof
+        ctx = float((gpu.req.prompt[rows] + gpu.req.gen[rows]).sum())
+        plain = float(roof.step_time(n, ctx, ctx + n))
+        per_draft = (roof.flops_per_token + roof.attn_flops_per_pair * ctx / max(n, 1)) / roof.flops_per_s
+        per_row = roof.kv_bytes_per_token * ctx / max(n, 1) / roof.bytes_per_s
+        return LinearPrice(plain, plain, per_draft, plain, per_row, free_drafts=roof.free_draft_tokens(n, ctx))
 
     def candidates(self, gpu, rows: np.ndarray, caps: np.ndarray) -> Drafts:
         """Each row's draft candidates from the acceptance model: path probability of draft token
@@ -127,7 +149,7 @@ class SimBudget:
 
 
 def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, seed: int = 0,
-                    kv_aware: bool = True) -> SimBudget:
+                    kv_aware: bool = True, price: str = "linear") -> SimBudget:
     """A fresh per-GPU budget ``name`` (one offered in the simulator). ``linear_cost``: the offline
     Eq. 1 fit (``c_base``, ``c_tok``).
 
@@ -138,4 +160,4 @@ def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int
     offline = (linear_cost["c_base"], linear_cost["c_tok"]) if "c_base" in linear_cost else None
     setting = budgets.BudgetSetting(max_draft=max_draft, cost=cost, offline_cost=offline, seed=seed)
     budget = budgets.make_budget(name, "simulator", setting)
-    return SimBudget(budget, predictor, max_draft, linear_cost, cost=cost, seed=seed, kv_aware=kv_aware)
+    return SimBudget(budget, predictor, max_draft, linear_cost, cost=cost, seed=seed, kv_aware=kv_aware, price=price)

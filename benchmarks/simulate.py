@@ -167,14 +167,14 @@ def requests_factory(work: dict[str, Any], params: EngineParams, rows: np.ndarra
 
 
 # ----------------------------------------------------------------------------- one run
-def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None) -> dict[str, Any]:
-    """One iteration under speculation budget ``budget`` and ``placement``; returns its summary."""
+def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None, price: str = "linear") -> dict[str, Any]:
+    """One iteration under speculation budget ``budget`` and ``placement``; returns its summary. ``price``: of a priced budget (:class:`benchmarks._sim_budget.SimBudget`)."""
     req = fresh()
     P, S = work["lengths"].shape
     pred = work["predictor"]
     gpu_of = assign(P, S, n_gpus, placement, pred, work["problem_ids"])
     def factory(g: int):
-        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware)
+        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price)
         if gate is not None:
             b.gate = gate
         return b
@@ -320,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sibling-gain", type=float, default=AcceptanceModel.sibling_gain, help="capacity gain once all siblings on the engine finished")
     ap.add_argument("--additive-cost", action="store_true", help="step cost compute + memory instead of max (the old model)")
     ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, class-eq9 without its batch gate, class-roofline with it, and the KV-tight setting")
+    ap.add_argument("--knee-price", action="store_true", help="also run cost and makespan (placement none) priced by the roofline's own step price with its knee (an experiment: the product's price is linear)")
     ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best budget)")
     ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
     ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
@@ -386,6 +387,8 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     configs = [(p, pl) for pl in placements for p in policies]
     if args.extras:
         configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
+    if args.knee_price:
+        configs += [(p, "none", True, "knee") for p in ("cost", "makespan") if p in policies]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)
@@ -402,7 +405,9 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             variant = cfg[3] if len(cfg) > 3 else ""
             gate = (-1 if budgets.BUDGETS[pol].gate >= 0 else DAS_GATE) if variant == "gate-flip" else None  # its gate off, or one on
             name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if gate < 0 else f" (gate {gate})") if gate is not None else "")
-            r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate)
+            name += " (knee price)" if variant == "knee" else ""
+            r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate,
+                           price="knee" if variant == "knee" else "linear")
             per_seed.setdefault(name, []).append(r)
             if pl == "none" and kv and not variant:
                 prof = profiles.setdefault(pol, [np.zeros_like(r["_stats_pos"]), np.zeros_like(r["_stats_sib"])])

@@ -209,8 +209,8 @@ def test_sweep_point_pruning_matches_all_gpus():
     params = EngineParams(roof=h100_7b_roofline(), max_draft=16, max_tokens=2048)
     lin = fit_linear_cost(params.roof)
     am = AcceptanceModel()
-    pr = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, top=3, policies=("none", "class-roofline"))
-    full = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, policies=("none", "class-roofline"), all_gpus=True)
+    pr = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, top=3, budgets=("none", "class-roofline"))
+    full = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, budgets=("none", "class-roofline"), all_gpus=True)
     assert pr["simulated_gpus"] < 32
     for p in ("none", "class-roofline"):
         assert pr[p]["makespan_s"] == pytest.approx(full[p]["makespan_s"])
@@ -234,3 +234,20 @@ def test_trace_input(tmp_path):
     assert out["trace_setting"]["none"]["tokens"] == sum(len(r.output_ids) for r in rows if r.iteration == 2)
     ev = predictor_cli.main(["--trace", str(path), "--max-tokens", "512"])
     assert ev["checkpoints"]["0"]["predictor"]["n"] == 2 * 6 * 4
+
+
+def test_priced_budgets_draft_what_pays_at_the_simulated_price(small):
+    """``cost`` and ``makespan`` run in the simulator at the Eq. 1 line fitted offline (a draft
+    token costs a row's token), and with ``price="knee"`` at the roofline's own price (drafts free
+    below the knee): they draft less than ``fixed`` at the line, more where drafts are free."""
+    work, params, lin = small
+    fresh = requests_factory(work, params)
+    fixed = run_config(work, fresh, "fixed", "none", 2, params, lin, seed=1)
+    for budget in ("cost", "makespan"):
+        line = run_config(work, fresh, budget, "none", 2, params, lin, seed=1)
+        knee = run_config(work, fresh, budget, "none", 2, params, lin, seed=1, price="knee")
+        assert 0 < line["drafted_per_token"] < fixed["drafted_per_token"]
+        assert knee["drafted_per_token"] > line["drafted_per_token"]
+        assert knee["tokens"] == pytest.approx(work["lengths"].sum())
+    with pytest.raises(ValueError, match="price"):
+        run_config(work, fresh, "cost", "none", 2, params, lin, price="flat")
