@@ -12,7 +12,7 @@ workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
 * Workload (:mod:`benchmarks._sim_workload`): long-tail lengths with repetition loops to the cap;
   acceptance that depends on the request's state (base Eq. 3 parameters, finished siblings on the
   same engine, loops).
-* Speculation budgets (``--policies``; the scheduler's own classes, :mod:`scheduler.budgets`, one
+* Speculation budgets (``--budgets``, also ``--policies``; the scheduler's own classes, :mod:`scheduler.budgets`, one
   instance per GPU through :mod:`benchmarks._sim_budget`): ``none``, ``fixed`` (the paper's
   unlimited draft budget), ``cost`` (the product's default: the draft tokens that pay at the step's
   price) and ``makespan``, priced by the Eq. 1 line fitted offline to the step-cost model with
@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--max-draft", type=int, default=16, help="K: most draft tokens per row and step")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
-    ap.add_argument("--policies", "--budgets", dest="policies", default=",".join(BUDGETS),
+    ap.add_argument("--budgets", "--policies", dest="budgets", default=",".join(BUDGETS),
                     help=f"speculation budgets, a comma-separated subset of {','.join(BUDGETS)}")
     ap.add_argument("--placements", default=",".join(PLACEMENTS), help=f"comma-separated subset of {','.join(PLACEMENTS)}")
     ap.add_argument("--kv-capacity", type=float, help="KV cache tokens per GPU (default: from the memory budget)")
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sibling-gain", type=float, default=AcceptanceModel.sibling_gain, help="capacity gain once all siblings on the engine finished")
     ap.add_argument("--additive-cost", action="store_true", help="step cost compute + memory instead of max (the old model)")
     ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, class-eq9 without its batch gate, class-roofline with it, and the KV-tight setting")
-    ap.add_argument("--knee-price", action="store_true", help="also run cost and makespan (placement none) priced by the roofline's own step price with its knee (an experiment: the product's price is linear)")
+    ap.add_argument("--knee-price", action="store_true", help="also run the priced budgets (cost, makespan; placement none) priced by the roofline's own step price with its knee (an experiment: the product's price is linear)")
     ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best budget)")
     ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
     ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
@@ -333,18 +333,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--launch-ms and --drafter-ms-per-256 must be >= 0")
     if not 0.0 <= args.loop_accept < 1.0 or not 0.0 <= args.sibling_gain <= 1.0:
         raise SystemExit("--loop-accept must be in [0, 1) and --sibling-gain in [0, 1]")
-    policies = [p for p in args.policies.split(",") if p]
+    names = [p for p in args.budgets.split(",") if p]
     placements = [p for p in args.placements.split(",") if p]
-    for p in policies:
+    for p in names:
         try:
             budgets.resolve(p, "simulator")
         except ValueError as exc:
-            raise SystemExit(f"--policies: {exc}") from None
+            raise SystemExit(f"--budgets: {exc}") from None
     for p in placements:
         if p not in PLACEMENTS:
             raise SystemExit(f"unknown placement {p!r}; expected {PLACEMENTS}")
-    if "none" not in policies:
-        policies = ["none"] + policies
+    if "none" not in names:
+        names = ["none"] + names
     if "none" not in placements:
         placements = ["none"] + placements
 
@@ -359,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     am = AcceptanceModel(loop_accept=args.loop_accept, sibling_gain=args.sibling_gain)
     out: dict[str, Any] = {}
     if not args.sweep_only:
-        out.update(run_paper_setting(args, params, linear, am, policies, placements))
+        out.update(run_paper_setting(args, params, linear, am, names, placements))
     if args.sweep or args.sweep_only:
         from benchmarks._sim_sweep import print_sweep, run_sweep
 
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
-def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceModel, policies: list[str], placements: list[str]) -> dict[str, Any]:
+def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceModel, names: list[str], placements: list[str]) -> dict[str, Any]:
     roof = params.roof
     per_seed: dict[str, list[dict]] = {}
     curves: dict[str, dict] = {}
@@ -384,11 +384,11 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     loops_all = []
     lb = {"none": [], "speculative": []}
     key = "trace_setting" if args.trace else "paper_setting"
-    configs = [(p, pl) for pl in placements for p in policies]
+    configs = [(p, pl) for pl in placements for p in names]
     if args.extras:
         configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
     if args.knee_price:
-        configs += [(p, "none", True, "knee") for p in ("cost", "makespan") if p in policies]
+        configs += [(p, "none", True, "knee") for p in names if budgets.BUDGETS[p].priced]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)
@@ -480,7 +480,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
         "lower_bound_s": {k: ci95(v)[0] for k, v in lb.items()},
         "plot": str(plot_path) if plot_path else None,
     }
-    print_table(out, key, policies, placements, args)
+    print_table(out, key, names, placements, args)
     if args.extras and not args.trace:
         out["kv_tight"] = run_kv_tight(args, params, linear, am)
     if args.ablations and not args.trace:
@@ -555,7 +555,7 @@ def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel,
         "additive step cost (compute + memory)": (replace(params, additive_cost=True), am),
         "drafter 4 ms per step at 256 rows": (replace(params, drafter_ms_per_256=4.0), am),
     }
-    out: dict[str, Any] = {"policy": best, "placement": pl, "seeds": args.seeds}
+    out: dict[str, Any] = {"budget": best, "policy": best, "placement": pl, "seeds": args.seeds}  # "policy": the key's former name
     print(f"ablations (placement {pl}, {args.seeds} seeds; cut vs none at that placement, mean +- 95% interval):", flush=True)
     rows = []
     for label, (pp, aa) in variants.items():
