@@ -1,13 +1,13 @@
 """GPUs of the long-tail simulator: continuous batching with speculation, step by step.
 
 The step loop runs in numba (:func:`_run_steps`); between calls Python re-plans the per-request
-draft caps with a policy (:mod:`benchmarks._sim_policy`; every ``replan_every`` steps, and after any
-request finished, was admitted or was preempted) and, for the ``rebalance`` placement, moves
+draft caps with a speculation budget (:mod:`benchmarks._sim_budget`; every ``replan_every`` steps, and
+after any request finished, was admitted or was preempted) and, for the ``rebalance`` placement, moves
 requests between GPUs at common time boundaries (:mod:`benchmarks._sim_place`).
 
 One engine step (vLLM V1-like; all requests arrive at time 0):
 
-Re-planning: static policies at every event; dynamic ones every ``replan_every`` steps, and
+Re-planning: static budgets at every event; dynamic ones every ``replan_every`` steps, and
 at events (a finish, an admission, a preemption) only when they ask for it (``class-eq9`` while its
 batch gate is closed, so that it opens at the step the batch falls to the gate). A row admitted
 between re-plans keeps cap 0 until the next one.
@@ -15,9 +15,9 @@ between re-plans keeps cap 0 until the next one.
 1. Every running request needs one KV slot for the token it samples; while they do not fit, the
    most recently admitted request is preempted (recompute: its KV is dropped, it goes to the front
    of the waiting queue and is prefilled again, prompt + generated tokens, when re-admitted).
-2. Drafts: a policy caps each running row at ``caps[i]`` tokens. A batch gate (no drafts while
+2. Drafts: a budget caps each running row at ``caps[i]`` tokens. A batch gate (no drafts while
    more than ``gate`` rows run) and a per-step quota (``quota_mode`` 1: a fixed number of draft
-   tokens; 2: the roofline knee, :meth:`Roofline.free_draft_tokens`) are spent in the policy's
+   tokens; 2: the roofline knee, :meth:`Roofline.free_draft_tokens`) are spent in the budget's
    priority order. KV-aware (``kv_aware``): the step's drafts also fit in the free KV slots, so no
    draft ever forces a preemption; otherwise (vLLM's own behaviour) drafts that do not fit preempt
    the newest requests like any other slot demand.
@@ -26,7 +26,7 @@ between re-plans keeps cap 0 until the next one.
    watermark)``; an admitted request is prefilled and samples one token in this step, no draft.
 4. Cost (:class:`benchmarks._sim_workload.Roofline`): ``launch + max(compute, memory)`` over the
    step's tokens (sampled + drafted + prefilled), attention pairs and KV traffic, plus the
-   drafter's CPU time (``drafter_s_per_row`` x running rows) when the policy speculates.
+   drafter's CPU time (``drafter_s_per_row`` x running rows) when the budget speculates.
 5. Advance: a row offered ``d`` drafts advances ``tau(d)`` tokens (expected value): outside a loop
    the Eq. 3-4 per-step value for its base acceptance and the siblings finished on this GPU
    (``tau_tab[i, c, d]``), inside its loop ``tau_loop[d]``
@@ -41,6 +41,7 @@ import numba
 import numpy as np
 
 from benchmarks._sim_workload import Roofline
+from scheduler.budget_protocol import allot_in_order
 
 WAITING, RUNNING, DONE = 0, 1, 2
 POS_BINS = 16  # acceptance statistics: bins of the position in the rollout over [0, max_tokens]
@@ -57,23 +58,8 @@ def roofline_time(tokens, attn_pairs, kv_tokens, launch, w_bytes, kv_b, f_tok, f
     return launch + max(comp, mem)
 
 
-@numba.njit(cache=True)
-def allot_drafts(want, order, running, budget):
-    """Draft tokens per row under a total ``budget`` (tokens), spent on the rows' wanted drafts
-    ``want`` in ``order`` (row indices, highest priority first); rows not ``running`` get none; the
-    last row served may get a part. Returns float64 drafts per row."""
-    out = np.zeros(want.size)
-    left = max(budget, 0.0)
-    for j in range(order.size):
-        if left <= 0:
-            break
-        i = order[j]
-        if not running[i] or want[i] <= 0:
-            continue
-        g = want[i] if want[i] <= left else left
-        out[i] = g
-        left -= g
-    return out
+# The quota rule of the budgets (scheduler.budget_protocol.allot_in_order), compiled for the step loop.
+allot_drafts = numba.njit(cache=True)(allot_in_order)
 
 
 @numba.njit(cache=True)
@@ -292,7 +278,7 @@ class EngineParams:
     replan_every: int = 16
     drafter_ms_per_256: float = 1.0  # drafter CPU time per step at 256 rows (linear in rows)
     timing_noise: float = 0.05  # relative noise of the step times a cost model observes
-    kv_aware: bool = True  # no draft forces a preemption (all speculative policies)
+    kv_aware: bool = True  # no draft forces a preemption (all speculative budgets)
     max_tokens: int = 16384
     additive_cost: bool = False  # compute + memory instead of max (the old model; ablation only)
 
@@ -351,15 +337,15 @@ class Requests:
 
 
 class Gpu:
-    """One engine: its member requests, clock, policy and step records."""
+    """One engine: its member requests, clock, speculation budget (:class:`benchmarks._sim_budget.SimBudget`) and step records."""
 
-    def __init__(self, gid: int, req: Requests, members: np.ndarray, policy, params: EngineParams, n_groups: int,
+    def __init__(self, gid: int, req: Requests, members: np.ndarray, budget, params: EngineParams, n_groups: int,
                  stats_pos: np.ndarray, stats_sib: np.ndarray, seed: int = 0):
         self.gid = gid
         self.req = req
         self.mem = np.asarray(members, np.int64)
         req.gpu[self.mem] = gid
-        self.policy = policy
+        self.budget = budget
         self.p = params
         self.t = 0.0
         self.order = self.mem.copy()
@@ -402,7 +388,7 @@ class Gpu:
 
     def run_until(self, t_stop: float = np.inf) -> None:
         """Step until every member finished or the clock passes ``t_stop``."""
-        r, p, pol = self.req, self.p, self.policy
+        r, p, pol = self.req, self.p, self.budget
         roof = p.roof
         while self.t < t_stop and not self.done:
             if pol.dynamic and (self.since_plan >= p.replan_every or (self.events and pol.replan_on_events)):

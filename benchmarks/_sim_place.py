@@ -87,7 +87,7 @@ def run_cluster(
     req: Requests,
     gpu_of: np.ndarray,
     n_gpus: int,
-    policy_factory,
+    budget_factory,
     params: EngineParams,
     *,
     placement: str = "none",
@@ -107,7 +107,7 @@ def run_cluster(
     stats_pos = np.zeros((2, POS_BINS, 3))
     stats_sib = np.zeros((req.group_size, 3))
     ids = np.arange(n_gpus) if gpu_ids is None else np.asarray(gpu_ids)
-    gpus = [Gpu(int(g), req, np.flatnonzero(gpu_of == g), policy_factory(int(g)), params, n_groups, stats_pos, stats_sib, seed=seed + int(g)) for g in ids]
+    gpus = [Gpu(int(g), req, np.flatnonzero(gpu_of == g), budget_factory(int(g)), params, n_groups, stats_pos, stats_sib, seed=seed + int(g)) for g in ids]
     moves = 0
     if placement == "rebalance":
         if predictor is None:

@@ -26,14 +26,14 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._sim_budget import make_sim_budget
 from benchmarks._sim_engine import EngineParams
 from benchmarks._sim_place import run_cluster
-from benchmarks._sim_policy import make_policy
 from benchmarks._sim_workload import AcceptanceModel, LengthModel, prompt_lengths
 
 SWEEP_GPUS = (8, 32, 128, 512, 2048)
 SWEEP_PER_GPU = (1, 4, 16, 64)
-SWEEP_POLICIES = ("none", "fixed", "class-roofline")
+SWEEP_BUDGETS = ("none", "fixed", "class-roofline")
 
 
 def _workload(n_gpus: int, per_gpu: int, am: AcceptanceModel, max_tokens: int, seed: int) -> dict[str, Any]:
@@ -118,8 +118,8 @@ def _requests(sub: dict, params: EngineParams, rows: np.ndarray):
     return lambda: Requests(**static)
 
 
-def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am: AcceptanceModel, *, seed: int, max_tokens: int, top: int = 6, policies=SWEEP_POLICIES, all_gpus: bool = False) -> dict[str, Any]:
-    """One sweep point, one seed: makespan per policy, and the break-even drafter time."""
+def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am: AcceptanceModel, *, seed: int, max_tokens: int, top: int = 6, budgets=SWEEP_BUDGETS, all_gpus: bool = False) -> dict[str, Any]:
+    """One sweep point, one seed: makespan per speculation budget, and the break-even drafter time."""
     w = _workload(n_gpus, per_gpu, am, max_tokens, seed)
     n = w["lengths"].size
     gpu_of = np.arange(n, dtype=np.int64) % n_gpus  # split
@@ -133,11 +133,11 @@ def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am:
     fresh = _requests(sub, params, rows)
     local_gpu = gpu_of[rows]
     out: dict[str, Any] = {"simulated_gpus": int(chosen.size)}
-    for pol in policies:
+    for pol in budgets:
         req = fresh()
 
         def factory(g: int, pol=pol):
-            return make_policy(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g)
+            return make_sim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g)
 
         gpus, _ = run_cluster(req, local_gpu, n_gpus, factory, params, gpu_ids=chosen, seed=seed)
         crit = max(gpus, key=lambda g: g.makespan_s)
@@ -160,7 +160,7 @@ def run_sweep(params: EngineParams, linear: dict, am: AcceptanceModel, *, seeds:
             row: dict[str, Any] = {"gpus": n_g, "per_gpu": r, "rollouts": n_g * r, "simulated_gpus": runs[0]["simulated_gpus"]}
             base = np.array([x["none"]["makespan_s"] for x in runs])
             row["none_s"], row["none_s_ci95"] = ci95(base)
-            for pol in SWEEP_POLICIES[1:]:
+            for pol in SWEEP_BUDGETS[1:]:
                 m = np.array([x[pol]["makespan_s"] for x in runs])
                 row[f"{pol}_s"], row[f"{pol}_s_ci95"] = ci95(m)
                 row[f"{pol}_cut"], row[f"{pol}_cut_ci95"] = ci95(1.0 - m / base)
@@ -181,7 +181,7 @@ def pruning_check(params: EngineParams, linear: dict, am: AcceptanceModel, *, ma
     """Makespans with pruning against simulating every GPU at one point (seed 0)."""
     pr = run_point(n_gpus, per_gpu, params, linear, am, seed=0, max_tokens=max_tokens)
     full = run_point(n_gpus, per_gpu, params, linear, am, seed=0, max_tokens=max_tokens, all_gpus=True)
-    return {"gpus": n_gpus, "per_gpu": per_gpu, **{p: {"pruned_s": pr[p]["makespan_s"], "all_gpus_s": full[p]["makespan_s"]} for p in SWEEP_POLICIES}}
+    return {"gpus": n_gpus, "per_gpu": per_gpu, **{p: {"pruned_s": pr[p]["makespan_s"], "all_gpus_s": full[p]["makespan_s"]} for p in SWEEP_BUDGETS}}
 
 
 def print_sweep(sw: dict) -> None:
@@ -197,13 +197,13 @@ def print_sweep(sw: dict) -> None:
     print(tabulate(rows, ["GPUs", "per GPU", "none s", "fixed", "class-roofline", "break-even ms", "drafter share"], floatfmt=".0f",
                    colalign=["right"] * 7))
     c = sw["pruning_check"]
-    print(f"pruning check ({c['gpus']} GPUs x {c['per_gpu']}): " + ", ".join(f"{p} {c[p]['pruned_s']:.1f} vs {c[p]['all_gpus_s']:.1f} s" for p in SWEEP_POLICIES))
+    print(f"pruning check ({c['gpus']} GPUs x {c['per_gpu']}): " + ", ".join(f"{p} {c[p]['pruned_s']:.1f} vs {c[p]['all_gpus_s']:.1f} s" for p in SWEEP_BUDGETS))
 
 
 def plot_sweep(points: list[dict], path: Path) -> Path | None:
-    from benchmarks.simulate import _plt
+    from benchmarks._sim_report import pyplot
 
-    plt = _plt()
+    plt = pyplot()
     if plt is None:
         return None
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.5))

@@ -9,7 +9,7 @@ For each data set (default DSR-sub math and LeetCode code), with the real SmolLM
    trainer's memory and threads.
 2. **Replay** the same iterations for every method (``none``: no speculation, ``ngram``:
    vLLM prompt lookup, ``suffix``: vLLM SuffixDecoding / arctic-inference, ``das-sched``: DAS plus
-   the length-aware per-request budget of :class:`integrations.rl.grpo.LengthClassBudget`), one
+   the ``class`` budget's per-request caps, :func:`integrations.rl.grpo.request_caps`), one
    engine per method: at iteration ``v`` the engine gets policy ``v`` by an in-place weight sync
    (prefix cache reset, DAS window advanced), then generates the same prompts with the same seed
    through the loop's own rollout function (:func:`integrations.vllm_ext.timed_generate.generate_rollouts`).
@@ -108,7 +108,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     from transformers import AutoTokenizer
 
     from integrations.data.problems import load_problems, render_prompts
-    from integrations.rl.grpo import LengthClassBudget, release_engine_state, run
+    from integrations.rl.grpo import release_engine_state, request_caps, run
     from integrations.rl.recipes import load_recipe
     from integrations.rl.rewards import make_reward_fn, overlong_penalty
     from integrations.vllm_ext import control
@@ -165,7 +165,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
         das_cfg = dict(base.speculative.das) if engine_method == "das" else None
         llm = make_llm(model_dir, engine_method, num_speculative_tokens=base.speculative.num_speculative_tokens if engine_method != "none" else None,
                        das_config=das_cfg, dtype=base.rollout.dtype, max_model_len=base.rollout.max_model_len, seed=base.seed)
-        budget = LengthClassBudget(base.rollout.max_tokens, base.scheduler) if method == "das-sched" else None
+        budget = request_caps(base, "class") if method == "das-sched" else None
         results[method] = []
         try:
             for pids, step in schedule:
@@ -178,7 +178,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
                                           temperature=base.rollout.temperature, top_p=base.rollout.top_p, seed=base.seed * 1_000_003 + step,
                                           draft_caps=caps, das=engine_method == "das")
                 if budget is not None:
-                    budget.observe(step, batch.rollouts)
+                    budget.observe(step, [r.problem_id for r in batch.rollouts], [len(r.output_ids) for r in batch.rollouts])
                 scores, rew = scored(batch)
                 results[method].append(_iteration_record(method, step, batch, scores, rew, {"draft_caps": caps} if caps else None))
                 if progress is not None:

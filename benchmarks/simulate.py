@@ -1,4 +1,4 @@
-"""Long-tail simulator: makespan of one RL rollout iteration under speculation and placement policies.
+"""Long-tail simulator: makespan of one RL rollout iteration under speculation budgets and placements.
 
 ``python -m benchmarks.simulate [--seeds N] [--json PATH] [--plot PATH] [--trace PATH] [--sweep] ...``
 
@@ -12,13 +12,16 @@ workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
 * Workload (:mod:`benchmarks._sim_workload`): long-tail lengths with repetition loops to the cap;
   acceptance that depends on the request's state (base Eq. 3 parameters, finished siblings on the
   same engine, loops).
-* Policies (:mod:`benchmarks._sim_policy`, named as in :mod:`scheduler.budgets`): ``none``, ``fixed``
-  (the paper's unlimited draft budget), ``class-eq9`` (the published class policy), ``class-roofline``
-  (ours), ``eq7`` (the project's scheduler); all speculative ones
-  KV-aware.
+* Speculation budgets (``--budgets``, also ``--policies``; the scheduler's own classes, :mod:`scheduler.budgets`, one
+  instance per GPU through :mod:`benchmarks._sim_budget`): ``none``, ``fixed`` (the paper's
+  unlimited draft budget), ``cost`` (the product's default: the draft tokens that pay at the step's
+  price) and ``makespan``, priced by the Eq. 1 line fitted offline to the step-cost model with
+  candidates' probabilities from the acceptance model; ``class-eq9`` (the published class
+  policy), ``class-roofline`` (ours), ``eq7`` (Eq. 7 / 9 per request); all speculative ones KV-aware.
+  The budget the product ships is :class:`das.config.DASConfig`'s default (``shipped_budget``).
 * Placements (:mod:`benchmarks._sim_place`): ``none``, ``lpt``, ``split``, ``rebalance``.
 
-JSON: ``paper_setting.<policy>[+<placement>]`` (no suffix: placement ``none``) with ``makespan_s``
+JSON: ``paper_setting.<budget>[+<placement>]`` (no suffix: placement ``none``) with ``makespan_s``
 (mean over seeds), ``makespan_s_ci95`` (half-width of the 95% t-interval, seconds), ``seeds``
 (how many), ``makespan_s_per_seed``, ``cut_vs_none`` (paired, per seed, against ``none`` without
 placement) and its ``cut_vs_none_ci95``, tokens, drafts, preemptions, moves ...; ``validation``
@@ -30,21 +33,25 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from benchmarks._sim_budget import BUDGETS, make_sim_budget
 from benchmarks._sim_engine import DONE, EngineParams, Requests
 from benchmarks._sim_place import PLACEMENTS, assign, run_cluster
-from benchmarks._sim_policy import DAS_GATE, DAS_QUOTA, POLICIES, make_policy
+from benchmarks._sim_report import batch_curve, config_name, plot_validation, print_table
 from benchmarks._sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
+from das.config import DASConfig
 from scheduler import LengthPredictor, budgets
+from scheduler.class_budgets import DAS_GATE, DAS_QUOTA
 
 REPO = Path(__file__).resolve().parents[1]
-LENGTH_AWARE = ("class-eq9", "class-roofline", "eq7")
+LENGTH_AWARE = tuple(n for n in BUDGETS if budgets.BUDGETS[n].length_aware)  # budgets that read the length predictor
+SHIPPED = DASConfig().budget  # the budget the product ships (its default)
+PAPER_BUDGET = "class-eq9"  # DAS's deployed policy as published
 
 # two-sided 95% quantiles of Student's t, df = 1..30
 _T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
@@ -160,17 +167,17 @@ def requests_factory(work: dict[str, Any], params: EngineParams, rows: np.ndarra
 
 
 # ----------------------------------------------------------------------------- one run
-def run_config(work, fresh, policy: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None) -> dict[str, Any]:
-    """One iteration under ``policy`` and ``placement``; returns its summary."""
+def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None, price: str = "linear") -> dict[str, Any]:
+    """One iteration under speculation budget ``budget`` and ``placement``; returns its summary. ``price``: of a priced budget (:class:`benchmarks._sim_budget.SimBudget`)."""
     req = fresh()
     P, S = work["lengths"].shape
     pred = work["predictor"]
     gpu_of = assign(P, S, n_gpus, placement, pred, work["problem_ids"])
     def factory(g: int):
-        pol = make_policy(policy, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware)
+        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price)
         if gate is not None:
-            pol.gate = gate
-        return pol
+            b.gate = gate
+        return b
 
     gpus, info = run_cluster(req, gpu_of, n_gpus, factory, params, placement=placement, predictor=pred, seed=seed)
     tokens = float(req.gen.sum())
@@ -187,8 +194,8 @@ def run_config(work, fresh, policy: str, placement: str, n_gpus: int, params: En
         "_stats_pos": info["stats_pos"],
         "_stats_sib": info["stats_sib"],
     }
-    if policy == "eq7":
-        out["cost_fit_gpu0"] = gpus[0].policy.cost_fit()
+    if gpus[0].budget.budget.uses_cost_fit:
+        out["cost_fit_gpu0"] = gpus[0].budget.cost_fit()
     if keep:
         out["_curves"] = [(g.records()["t"], g.records()["b"]) for g in gpus]
         out["_finish"] = req.finish.copy()
@@ -219,17 +226,6 @@ def lower_bound_s(work: dict[str, Any], params: EngineParams, speculative: bool)
 
 
 # ----------------------------------------------------------------------------- curves and validation
-def batch_curve(curves, grid: np.ndarray) -> np.ndarray:
-    """Running requests summed over GPUs at each time of ``grid`` (seconds)."""
-    total = np.zeros(grid.size)
-    for t, b in curves:
-        if t.size == 0:
-            continue
-        i = np.searchsorted(t, grid, side="left")
-        total += np.where(i < t.size, b[np.minimum(i, t.size - 1)], 0)
-    return total
-
-
 def collapse_stats(curves, n_requests: int, makespan: float) -> dict[str, float]:
     """When the running batch (all GPUs) falls below 50% / 10% of the requests: in seconds, and in
     decode steps of the GPU that finishes last; the share of the makespan spent below 10%."""
@@ -277,81 +273,6 @@ def acceptance_profile(stats_pos: np.ndarray, stats_sib: np.ndarray, max_tokens:
     return out
 
 
-# ----------------------------------------------------------------------------- plots
-def _plt():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        return plt
-    except ImportError:
-        print("matplotlib is not installed: no plot (pip install matplotlib)", file=sys.stderr)
-        return None
-
-
-def plot_validation(table: dict, curves: dict, accept: dict, path: Path, title: str) -> Path | None:
-    """Four panels: running requests over time (seed 0; Fig. 1), makespan per policy and placement
-    with 95% intervals (Fig. 8), unlimited vs length-aware (Fig. 10), acceptance by position
-    (Fig. 4)."""
-    plt = _plt()
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(2, 2, figsize=(13, 9))
-    a = ax[0, 0]
-    tmax = max(c["makespan"] for c in curves.values())
-    grid = np.linspace(0, tmax * 1.01, 2000)
-    for name, c in curves.items():
-        a.step(grid, batch_curve(c["curves"], grid), where="post", lw=1.2, label=f"{name} ({c['makespan']:.0f} s)")
-    a.set_yscale("symlog", linthresh=10)
-    a.set_xlabel("time (s)")
-    a.set_ylabel("running requests, all GPUs (log)")
-    a.set_title("running requests over time (seed 0)  [paper Fig. 1]")
-    a.legend(fontsize=8)
-    a = ax[0, 1]
-    pols = [p for p in POLICIES if any(p + s in table for s in ("", "+lpt"))]
-    width = 0.8 / len(PLACEMENTS)
-    for j, pl in enumerate(PLACEMENTS):
-        names = [p if pl == "none" else f"{p}+{pl}" for p in pols]
-        m = [table[n]["makespan_s"] if n in table else np.nan for n in names]
-        e = [table[n]["makespan_s_ci95"] if n in table else 0 for n in names]
-        a.bar(np.arange(len(pols)) + (j - (len(PLACEMENTS) - 1) / 2) * width, m, width, yerr=e, capsize=2, label=f"placement {pl}")
-    a.set_xticks(np.arange(len(pols)), pols, fontsize=8)
-    a.set_ylabel("makespan (s), mean and 95% interval")
-    a.set_title("makespan per policy  [paper Fig. 8]")
-    a.legend(fontsize=8)
-    a = ax[1, 0]
-    names = [n for n in ("fixed", "class-eq9", "class-roofline", "eq7") if n in table]
-    for j, pl in enumerate(("none", "split")):
-        nm = [n if pl == "none" else f"{n}+{pl}" for n in names]
-        m = [table[n]["makespan_s"] if n in table else np.nan for n in nm]
-        e = [table[n]["makespan_s_ci95"] if n in table else 0 for n in nm]
-        a.bar(np.arange(len(names)) + (j - 0.5) * 0.4, m, 0.4, yerr=e, capsize=3, label=f"placement {pl}")
-    a.set_xticks(np.arange(len(names)), names)
-    a.set_ylabel("makespan (s)")
-    a.set_title("fixed (unlimited budget) vs length-aware drafting  [paper Fig. 10]")
-    a.legend(fontsize=8)
-    a = ax[1, 1]
-    x = np.asarray(accept["position_tokens"]) / 1000
-    a.plot(x, accept["tokens_per_step_outside_loops"], "o-", label="outside loops")
-    a.plot(x, accept["tokens_per_step_in_loops"], "s-", label="in repetition loops")
-    a.plot(x, accept["tokens_per_step_all_rows"], "k^--", label="all rows")
-    a.set_xlabel("position in the rollout (K tokens)")
-    a.set_ylabel("tokens per step, fixed (drafter's own length; K in loops)")
-    a2 = a.twinx()
-    a2.bar(x, accept["share_of_steps_in_loops"], width=0.6, alpha=0.2, color="gray")
-    a2.set_ylabel("share of steps in loops (bars)")
-    a.set_title("acceptance by position  [paper Fig. 4]")
-    a.legend(fontsize=8, loc="upper left")
-    fig.suptitle(title)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 # ----------------------------------------------------------------------------- main
 def aggregate(per_seed: dict[str, list[dict]], base: str = "none") -> dict[str, dict]:
     """Mean, 95% interval and paired cuts over seeds, per configuration: against ``base`` (no
@@ -377,10 +298,6 @@ def aggregate(per_seed: dict[str, list[dict]], base: str = "none") -> dict[str, 
     return out
 
 
-def config_name(policy: str, placement: str) -> str:
-    return policy if placement == "none" else f"{policy}+{placement}"
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.simulate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", type=Path, help="write results as JSON here")
@@ -393,7 +310,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--max-draft", type=int, default=16, help="K: most draft tokens per row and step")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
-    ap.add_argument("--policies", default=",".join(POLICIES), help=f"comma-separated subset of {','.join(POLICIES)}")
+    ap.add_argument("--budgets", "--policies", dest="budgets", default=",".join(BUDGETS),
+                    help=f"speculation budgets, a comma-separated subset of {','.join(BUDGETS)}")
     ap.add_argument("--placements", default=",".join(PLACEMENTS), help=f"comma-separated subset of {','.join(PLACEMENTS)}")
     ap.add_argument("--kv-capacity", type=float, help="KV cache tokens per GPU (default: from the memory budget)")
     ap.add_argument("--launch-ms", type=float, default=1.0, help="fixed cost per engine step (ms; CUDA graphs ~1, eager mode several)")
@@ -402,7 +320,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sibling-gain", type=float, default=AcceptanceModel.sibling_gain, help="capacity gain once all siblings on the engine finished")
     ap.add_argument("--additive-cost", action="store_true", help="step cost compute + memory instead of max (the old model)")
     ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, class-eq9 without its batch gate, class-roofline with it, and the KV-tight setting")
-    ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best policy)")
+    ap.add_argument("--knee-price", action="store_true", help="also run the priced budgets (cost, makespan; placement none) priced by the roofline's own step price with its knee (an experiment: the product's price is linear)")
+    ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best budget)")
     ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
     ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
     ap.add_argument("--sweep-plot", default=str(REPO / "out" / "simulate_sweep.png"))
@@ -414,18 +333,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--launch-ms and --drafter-ms-per-256 must be >= 0")
     if not 0.0 <= args.loop_accept < 1.0 or not 0.0 <= args.sibling_gain <= 1.0:
         raise SystemExit("--loop-accept must be in [0, 1) and --sibling-gain in [0, 1]")
-    policies = [p for p in args.policies.split(",") if p]
+    names = [p for p in args.budgets.split(",") if p]
     placements = [p for p in args.placements.split(",") if p]
-    for p in policies:
+    for p in names:
         try:
             budgets.resolve(p, "simulator")
         except ValueError as exc:
-            raise SystemExit(f"--policies: {exc}") from None
+            raise SystemExit(f"--budgets: {exc}") from None
     for p in placements:
         if p not in PLACEMENTS:
             raise SystemExit(f"unknown placement {p!r}; expected {PLACEMENTS}")
-    if "none" not in policies:
-        policies = ["none"] + policies
+    if "none" not in names:
+        names = ["none"] + names
     if "none" not in placements:
         placements = ["none"] + placements
 
@@ -440,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     am = AcceptanceModel(loop_accept=args.loop_accept, sibling_gain=args.sibling_gain)
     out: dict[str, Any] = {}
     if not args.sweep_only:
-        out.update(run_paper_setting(args, params, linear, am, policies, placements))
+        out.update(run_paper_setting(args, params, linear, am, names, placements))
     if args.sweep or args.sweep_only:
         from benchmarks._sim_sweep import print_sweep, run_sweep
 
@@ -456,19 +375,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return out
 
 
-def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceModel, policies: list[str], placements: list[str]) -> dict[str, Any]:
+def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceModel, names: list[str], placements: list[str]) -> dict[str, Any]:
     roof = params.roof
     per_seed: dict[str, list[dict]] = {}
     curves: dict[str, dict] = {}
-    stats_pos = np.zeros((2, 16, 3))
-    stats_sib = np.zeros((args.samples, 3))
+    profiles: dict[str, list[np.ndarray]] = {}  # budget -> acceptance counters of its runs at placement none
     lengths_all = []
     loops_all = []
     lb = {"none": [], "speculative": []}
     key = "trace_setting" if args.trace else "paper_setting"
-    configs = [(p, pl) for pl in placements for p in policies]
+    configs = [(p, pl) for pl in placements for p in names]
     if args.extras:
         configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
+    if args.knee_price:
+        configs += [(p, "none", True, "knee") for p in names if budgets.BUDGETS[p].priced]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)
@@ -483,13 +403,16 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             pol, pl = cfg[0], cfg[1]
             kv = cfg[2] if len(cfg) > 2 else True
             variant = cfg[3] if len(cfg) > 3 else ""
-            name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if pol == "class-eq9" else " (gate 64)") if variant == "gate-flip" else "")
-            gate = (-1 if pol == "class-eq9" else DAS_GATE) if variant == "gate-flip" else None
-            r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate)
+            gate = (-1 if budgets.BUDGETS[pol].gate >= 0 else DAS_GATE) if variant == "gate-flip" else None  # its gate off, or one on
+            name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if gate < 0 else f" (gate {gate})") if gate is not None else "")
+            name += " (knee price)" if variant == "knee" else ""
+            r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate,
+                           price="knee" if variant == "knee" else "linear")
             per_seed.setdefault(name, []).append(r)
-            if pol == "fixed" and pl == "none":
-                stats_pos += r["_stats_pos"]
-                stats_sib += r["_stats_sib"][: args.samples]
+            if pl == "none" and kv and not variant:
+                prof = profiles.setdefault(pol, [np.zeros_like(r["_stats_pos"]), np.zeros_like(r["_stats_sib"])])
+                prof[0] += r["_stats_pos"]
+                prof[1] += r["_stats_sib"]
             if "_curves" in r:
                 curves[name] = {"curves": r["_curves"], "makespan": r["makespan_s"]}
     table = aggregate(per_seed)
@@ -503,8 +426,8 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     best = min(la, key=lambda n: table[n]["makespan_s"]) if la else None
     la_none = [p for p in LENGTH_AWARE if p in table]
     best_none = min(la_none, key=lambda n: table[n]["makespan_s"]) if la_none else None
-    fig1 = {name: collapse_stats(c["curves"], n_p * n_s, c["makespan"]) for name, c in curves.items() if name in ("none", best_none)}
-    accept = acceptance_profile(stats_pos, stats_sib, args.max_tokens) if "fixed" in policies else {}
+    fig1 = {n: collapse_stats(curves[n]["curves"], n_p * n_s, curves[n]["makespan"]) for n in dict.fromkeys(("none", best_none)) if n in curves}
+    accept = acceptance_profile(*profiles["fixed"], args.max_tokens) if "fixed" in profiles else {}
     fig10 = {}
     for pl in placements:
         u = config_name("fixed", pl)
@@ -519,16 +442,18 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
         "fig4_acceptance": {"paper": "acceptance rises as siblings finish and is very high in repetition loops near the length cap (as the issue describes Fig. 4; REFERENCES.md reports no acceptance numbers)", "simulator": accept},
         "fig8_makespan": {"paper": "DAS cuts rollout time by more than 50% (7B, DSR-sub, 16K, 8 H100)", "best_length_aware": best, "best_cut": table[best]["cut_vs_none"] if best else None, "best_cut_ci95": table[best]["cut_vs_none_ci95"] if best else None},
         "fig10_unlimited_vs_length_aware": {"paper": "an unlimited draft budget was up to 15% worse than the length-aware one", "simulator": fig10},
+        "shipped_vs_paper": shipped_vs(table, PAPER_BUDGET),
     }
     plot_path = None
     if args.plot and args.plot.lower() != "none" and curves and accept:
-        show = {n: c for n, c in curves.items() if n in ("none", "fixed", "class-eq9", best_none)}
+        show = {n: curves[n] for n in dict.fromkeys(("none", "fixed", SHIPPED, PAPER_BUDGET, best_none)) if n in curves}
         plot_path = plot_validation(table, show, accept, Path(args.plot), f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {args.max_tokens} tokens, K={args.max_draft}, {args.seeds} seeds")
 
     ls = length_stats(lengths, args.max_tokens)
     ls["loop_share"] = float(np.concatenate(loops_all).mean())
     out: dict[str, Any] = {
         key: table,
+        "shipped_budget": SHIPPED,
         "validation": validation,
         "setting": {
             "model": "DeepSeek-R1-Distill-Qwen-7B (Qwen2.5-7B architecture), bf16",
@@ -555,12 +480,24 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
         "lower_bound_s": {k: ci95(v)[0] for k, v in lb.items()},
         "plot": str(plot_path) if plot_path else None,
     }
-    print_table(out, key, policies, placements, args)
+    print_table(out, key, names, placements, args)
     if args.extras and not args.trace:
         out["kv_tight"] = run_kv_tight(args, params, linear, am)
     if args.ablations and not args.trace:
         out["ablations"] = run_ablations(args, params, linear, am, best or "class-eq9")
     return out
+
+
+def shipped_vs(table: dict, other: str) -> dict[str, Any]:
+    """The shipped budget (:data:`SHIPPED`) against ``other`` at placement none: both cuts vs
+    none, and the shipped budget's makespan cut against ``other``'s (paired per seed, mean and
+    95% interval; positive: the shipped budget is faster). Empty where either was not run."""
+    if SHIPPED not in table or other not in table:
+        return {"shipped": SHIPPED, "other": other}
+    a, b = (np.array(table[n]["makespan_s_per_seed"]) for n in (SHIPPED, other))
+    m, h = ci95(1.0 - a / b)
+    return {"shipped": SHIPPED, "other": other, "shipped_cut_vs_none": table[SHIPPED]["cut_vs_none"],
+            "other_cut_vs_none": table[other]["cut_vs_none"], "shipped_cut_vs_other": m, "shipped_cut_vs_other_ci95": h}
 
 
 def cost_examples(roof) -> dict[str, float]:
@@ -571,74 +508,6 @@ def cost_examples(roof) -> dict[str, float]:
     for rows, ctx in ((256, 3000), (64, 8000), (4, 12000)):
         ex[f"knee_draft_tokens_rows{rows}_ctx{ctx}"] = roof.free_draft_tokens(rows, rows * ctx)
     return ex
-
-
-def print_table(out: dict, key: str, policies, placements, args) -> None:
-    from tabulate import tabulate
-
-    table = out[key]
-    s = out["setting"]
-    ls = out["lengths"]
-    roof = out["costs"]["roofline"]
-    lin = out["costs"]["eq1_offline_fit"]
-    print(f"{key}: {s['prompts']} prompts x {s['samples']} samples on {s['gpus']} GPUs, max {s['max_tokens']} tokens, K={s['max_draft']}, {s['seeds']} seeds (mean +- 95% t-interval)")
-    print(f"lengths (all seeds): mean {ls['mean']:.0f}, median {ls['median']:.0f}, p90 {ls['p90']:.0f}, at cap {100 * ls['capped_share']:.1f}% (in a repetition loop: {100 * ls['loop_share']:.1f}% of all rollouts)")
-    print(
-        f"roofline step: launch {1e3 * roof['launch_s']:.1f} ms + max(compute at {roof['flops_per_s'] / 1e12:.0f} TFLOP/s, memory at {roof['bytes_per_s'] / 1e12:.2f} TB/s); "
-        f"KV {roof['kv_capacity_tokens']} tokens/GPU; drafter {s['drafter_ms_per_256']:.2f} ms/step at 256 rows"
-    )
-    ex = out["costs"]["step_examples"]
-    print(
-        f"decode step ms (rows, drafts/row, context/row): 256,0,3K {ex['rows256_d0_ctx3000']:.1f}; 256,4,3K {ex['rows256_d4_ctx3000']:.1f}; 256,16,3K {ex['rows256_d16_ctx3000']:.1f}; "
-        f"64,0,8K {ex['rows64_d0_ctx8000']:.1f}; 64,16,8K {ex['rows64_d16_ctx8000']:.1f}; 1,0,12K {ex['rows1_d0_ctx12000']:.2f}; 1,16,12K {ex['rows1_d16_ctx12000']:.2f}; "
-        f"free draft tokens (knee): 256 rows x 3K {ex['knee_draft_tokens_rows256_ctx3000']:.0f}, 64 x 8K {ex['knee_draft_tokens_rows64_ctx8000']:.0f}, 4 x 12K {ex['knee_draft_tokens_rows4_ctx12000']:.0f}"
-    )
-    print(f"Eq. 1 fitted offline to it (class-eq9): c_base {1e3 * lin['c_base']:.2f} ms, c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
-    heads = ["policy"] + [f"placement {pl}" for pl in placements]
-    right = ["left"] + ["right"] * len(placements)
-
-    def cell(p: str, pl: str, fmt: Any) -> str:
-        r = table.get(config_name(p, pl))
-        return fmt(r) if r else "-"
-
-    print("makespan s, mean +- 95% interval (cut vs none, placement none)")
-    rows = [[p] + [cell(p, pl, lambda r: f"{r['makespan_s']:.1f}+-{r['makespan_s_ci95']:.1f} ({100 * r['cut_vs_none']:+.0f}%)") for pl in placements]
-            for p in policies]
-    print(tabulate(rows, heads, colalign=right, disable_numparse=True))
-    print("cut vs none at the same placement, mean +- 95% interval")
-    rows = [[p] + [cell(p, pl, lambda r: f"{100 * r['cut_vs_none_same_placement']:.1f}+-{100 * r['cut_vs_none_same_placement_ci95']:.1f}%")
-                   for pl in placements] for p in policies[1:]]
-    print(tabulate(rows, heads, colalign=right, disable_numparse=True))
-    for n in [n for n in table if n.endswith(")")]:
-        r = table[n]
-        base = table.get(n.split(" (")[0], r)
-        print(f"extra: {n}: {r['makespan_s']:.1f} +- {r['makespan_s_ci95']:.1f} s ({100 * r['cut_vs_none']:+.0f}%), preemptions {r['preemptions']:.1f} (as listed: {base['makespan_s']:.1f} s, {base['preemptions']:.1f})")
-    rows = [[n, *(float(r[k]) for k in ("tokens_per_row_step", "drafted_per_token", "preemptions", "moves"))] for n, r in table.items()]
-    print(tabulate(rows, ["policy+placement", "tok/row-step", "drafted/tok", "preempt", "moves"], floatfmt=["", ".2f", ".2f", ".1f", ".1f"]))
-    lb = out["lower_bound_s"]
-    print(f"lower bound, the longest request alone at one-row step cost (mean over seeds): {lb['none']:.1f} s without drafts, {lb['speculative']:.1f} s with them")
-    v = out["validation"]
-    f8 = v["fig8_makespan"]
-    if f8["best_length_aware"]:
-        print(f"validation Fig. 8: best length-aware {f8['best_length_aware']}: cut {100 * f8['best_cut']:.1f}% +- {100 * f8['best_cut_ci95']:.1f} vs none (paper: > 50%)")
-    for pl, f in v["fig10_unlimited_vs_length_aware"]["simulator"].items():
-        print(f"validation Fig. 10 (placement {pl}): {f['unlimited']} slower than {f['best_length_aware']} by {100 * f['unlimited_slower_by']:.1f}% +- {100 * f['unlimited_slower_by_ci95']:.1f} (paper: up to 15%)")
-    for name, f in v["fig1_running_requests"]["simulator"].items():
-        print(
-            f"validation Fig. 1 ({name}, seed 0): batch below 50% at {f['t_below_50pct_s']:.0f} s, below 10% at {f['t_below_10pct_s']:.0f} s "
-            f"(steps {f['steps_below_50pct_on_last_gpu']} / {f['steps_below_10pct_on_last_gpu']} of {f['steps_on_last_gpu']} on the last GPU); {100 * f['tail_share_below_10pct']:.0f}% of the makespan below 10%"
-        )
-    acc = v["fig4_acceptance"]["simulator"]
-    if acc:
-        print(
-            f"validation Fig. 4 (fixed, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, in loops {acc['overall_tokens_per_step_in_loops']:.2f}; "
-            "by finished siblings on the engine ("
-            + ", ".join(f"{c}: {x:.2f}" for c, x in enumerate(acc["tokens_per_step_by_finished_siblings"]) if c % 5 == 0 or c == len(acc["tokens_per_step_by_finished_siblings"]) - 1)
-            + "); all rows by position (K tokens): "
-            + ", ".join(f"{p / 1000:.1f}: {x:.2f}" for j, (p, x) in enumerate(zip(acc["position_tokens"], acc["tokens_per_step_all_rows"])) if j % 3 == 0 or j == len(acc["position_tokens"]) - 1)
-        )
-    if out.get("plot"):
-        print(f"plot: {out['plot']}")
 
 
 def run_kv_tight(args, params: EngineParams, linear: dict, am: AcceptanceModel, utilization: float = 0.5) -> dict[str, Any]:
@@ -686,7 +555,7 @@ def run_ablations(args, params: EngineParams, linear: dict, am: AcceptanceModel,
         "additive step cost (compute + memory)": (replace(params, additive_cost=True), am),
         "drafter 4 ms per step at 256 rows": (replace(params, drafter_ms_per_256=4.0), am),
     }
-    out: dict[str, Any] = {"policy": best, "placement": pl, "seeds": args.seeds}
+    out: dict[str, Any] = {"budget": best, "policy": best, "placement": pl, "seeds": args.seeds}  # "policy": the key's former name
     print(f"ablations (placement {pl}, {args.seeds} seeds; cut vs none at that placement, mean +- 95% interval):", flush=True)
     rows = []
     for label, (pp, aa) in variants.items():

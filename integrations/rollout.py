@@ -140,7 +140,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.methods = methods
     if args.num_spec_tokens is not None and args.num_spec_tokens < 1:
         p.error(f"--num-spec-tokens must be >= 1, got {args.num_spec_tokens}")
-    try:  # the DAS settings' own schema, before any engine starts
+    try:  # the budget's name in the registry, then the DAS settings' own schema, before any engine starts
+        budgets.resolve(args.budget, "proposer")
+    except ValueError as exc:
+        p.error(f"--budget: {exc}")
+    try:
         das_config({"window": args.window, "decay": args.decay, "budget": args.budget}, name=lambda k: f"--{k.replace('_', '-')}")
     except ValueError as exc:
         p.error(str(exc))

@@ -7,22 +7,35 @@
   draft tokens learned from verification outcomes (a reliability diagram, online).
 * :mod:`scheduler.cost_model`: :class:`CostModel`, ``t_step = c_base + c_tok * n_tokens`` fitted
   online (Eq. 1).
-* :mod:`scheduler.budget`: :class:`ClassBudget`, :class:`Eq7Budget` (Eq. 7 / Eq. 9), per-step caps.
-* :mod:`scheduler.budgets`: the registry of speculation budgets (one name per policy, where it runs),
-  shared by the proposer, the scheduler, the CLIs, the recipes and the simulator.
-* :mod:`scheduler.speculation`: :class:`SpeculationScheduler`, the one object a proposer calls
-  per step; :func:`static_budgets`, per-problem budgets for ``SamplingParams.extra_args``.
+* :mod:`scheduler.step_price`: :class:`LinearPrice`, a step's price as a budget reads it.
+* :mod:`scheduler.draft_selection`: which draft tokens pay for their verification at a price.
+* :mod:`scheduler.budget_protocol`: what a speculation budget is (:class:`Budget`,
+  :class:`StepView`, :class:`Drafts`); the budgets: :mod:`scheduler.budgets` (the registry of
+  names, ``none``, ``fixed``), :mod:`scheduler.class_budgets` (``class``, ``class-eq9``,
+  ``class-roofline``), :mod:`scheduler.eq7` (``eq7``, Eq. 2-9), :mod:`scheduler.priced_budgets`
+  (``cost``, ``makespan``); one registry shared by the proposer, the scheduler, the CLIs, the
+  recipes, the GRPO loop and the simulator.
+* :mod:`scheduler.planner`: :class:`StepPlanner`, what the vLLM proposer decides per engine step
+  (step-cost fits, calibration, payoff guard, warm-up and exploration, the budget).
+* :mod:`scheduler.speculation`: :class:`SpeculationScheduler`, caps before the drafter for other
+  hosts; :func:`static_budgets` and :class:`RequestCaps`, per-problem caps at submission.
 * :mod:`scheduler.interleave`: :func:`assign_groups`: groups to data-parallel workers (LPT).
 """
 
 from scheduler.acceptance import DEFAULT_A, DEFAULT_K, accepted_tokens, estimate_acceptance, forward_passes, tokens_per_step
-from scheduler.budget import ClassBudget, Eq7Budget, Eq7Plan, optimal_proposals, round_caps, solve_n_fwd, step_saves_time
+from scheduler.budget_protocol import Budget, Drafts, RowFacts, StepView
+from scheduler.budgets import BudgetSetting, make_budget
 from scheduler.calibration import AcceptanceCalibration
+from scheduler.class_budgets import ClassBudget, ClassEq9Budget, ClassRooflineBudget
 from scheduler.cost_model import CostModel
+from scheduler.eq7 import Eq7Budget, Eq7Plan, Eq7Solver, optimal_proposals, round_caps, solve_n_fwd, step_saves_time
 from scheduler.interleave import METHODS as INTERLEAVE_METHODS
 from scheduler.interleave import assign_groups, compare_assignments, worker_loads
+from scheduler.planner import StepPlanner
 from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredictor, Prediction, classify, confusion_matrix, evaluate_predictor
-from scheduler.speculation import POLICIES, SpeculationScheduler, static_budgets
+from scheduler.priced_budgets import CostBudget, MakespanBudget
+from scheduler.speculation import RequestCaps, SpeculationScheduler, static_budgets
+from scheduler.step_price import LinearPrice
 
 __all__ = [
     "DEFAULT_A",
@@ -31,9 +44,22 @@ __all__ = [
     "estimate_acceptance",
     "forward_passes",
     "tokens_per_step",
+    "Budget",
+    "BudgetSetting",
+    "Drafts",
+    "RowFacts",
+    "StepView",
+    "make_budget",
     "ClassBudget",
+    "ClassEq9Budget",
+    "ClassRooflineBudget",
+    "CostBudget",
+    "MakespanBudget",
     "Eq7Budget",
     "Eq7Plan",
+    "Eq7Solver",
+    "LinearPrice",
+    "StepPlanner",
     "optimal_proposals",
     "round_caps",
     "solve_n_fwd",
@@ -53,7 +79,7 @@ __all__ = [
     "classify",
     "confusion_matrix",
     "evaluate_predictor",
-    "POLICIES",
+    "RequestCaps",
     "SpeculationScheduler",
     "static_budgets",
 ]

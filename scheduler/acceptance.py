@@ -10,7 +10,7 @@ one of its steps has ``p = d * N``; putting that into Eq. 4 gives the tokens it 
 ``tau = l / N``, as the root of ``1 / tau = 1 - k + k * exp(-a * d / tau)``. ``tau(0) = 1``,
 ``tau`` grows with ``d`` and saturates at ``1 / (1 - k)``; ``tau(d) - 1 <= k * a * d`` (the first
 draft token is accepted with probability ``k * a``). This memoryless form is exactly Eq. 3 for a
-request drafted at a constant rate, which is how :mod:`scheduler.budget` spends a budget.
+request drafted at a constant rate, which is how :mod:`scheduler.eq7` spends a budget.
 
 Units: lengths and draft counts in tokens; ``k`` and ``a`` are dimensionless.
 """

@@ -1,74 +1,117 @@
-"""The speculation budgets: one registry, one name per policy, one line each, and where it runs.
+"""The speculation budgets: one registry of names, one class per budget, where each is offered.
 
-A budget decides how many draft tokens each running request may verify per engine step. The
-same policy has the same name in the vLLM proposer (``additional_config['das']['budget']``,
-:mod:`integrations.vllm_ext.proposer`), :class:`scheduler.speculation.SpeculationScheduler` and
-:func:`scheduler.speculation.static_budgets`, the ``das-rollout`` flags (``--budget``,
-``--compare das:<budget>``), the recipes (``speculative.das.budget``) and the long-tail simulator
-(``benchmarks/simulate.py --policies``). Where each one runs is :attr:`Budget.runs_in`:
+A budget decides how many draft tokens each running request verifies per engine step
+(:mod:`scheduler.budget_protocol`). This module is the one place that maps a name to its class
+(:data:`BUDGETS`); the vLLM proposer (``additional_config['das']['budget']``,
+:mod:`integrations.vllm_ext.proposer`), :class:`scheduler.speculation.SpeculationScheduler`, the
+``das-rollout`` flags (``--budget``, ``--compare das:<budget>``), the recipes
+(``speculative.das.budget``, ``scheduler.budget``) and the long-tail simulator
+(``benchmarks/simulate.py --policies``) build their budget with :func:`make_budget`. Where each one
+is offered is its class's ``runs_in``:
 
-* ``proposer``: inside vLLM, per engine step (:class:`integrations.vllm_ext.proposer.DASProposer`);
-* ``scheduler``: :class:`~scheduler.speculation.SpeculationScheduler` (and ``static_budgets``);
-* ``simulator``: :mod:`benchmarks._sim_policy` (simulated GPUs, no vLLM).
+* ``proposer``: inside vLLM, per engine step (:class:`scheduler.planner.StepPlanner`);
+* ``scheduler``: :class:`~scheduler.speculation.SpeculationScheduler` (caps before the drafter);
+* ``grpo``: per-request caps fixed at submission (:class:`scheduler.speculation.RequestCaps`);
+* ``simulator``: ``benchmarks.simulate`` (simulated GPUs, no vLLM).
 
 Old names are refused with an error that gives the new one (:data:`RENAMED`), never mapped
-silently, so one policy never shows up under two names in results.
+silently, so one budget never shows up under two names in results.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Budget", "BUDGETS", "RENAMED", "names", "resolve", "describe"]
+import numpy as np
+
+from scheduler.budget_protocol import Budget, StepView
+from scheduler.class_budgets import ClassBudget, ClassEq9Budget, ClassRooflineBudget
+from scheduler.cost_model import CostModel
+from scheduler.eq7 import Eq7Budget
+from scheduler.predictor import LengthPredictor
+from scheduler.priced_budgets import CostBudget, MakespanBudget
+
+__all__ = ["BUDGETS", "RENAMED", "BudgetSetting", "FixedBudget", "NoneBudget", "budget_class", "describe", "make_budget", "names", "resolve"]
 
 
-@dataclass(frozen=True)
-class Budget:
-    """One speculation policy: its name, what it does in one line, and where it runs."""
+class NoneBudget(Budget):
+    """``none``: no draft tokens."""
 
-    name: str
-    summary: str
-    runs_in: frozenset[str]
+    name = "none"
+    summary = ("no draft tokens (in the proposer: vLLM's speculative path and the drafter's inserts, drafting nothing: "
+               "their per-step cost on their own, against the method none)")
+    runs_in = frozenset({"proposer", "scheduler", "grpo", "simulator"})
+    drafts = False
+    static = True
+
+    def plan(self, step: StepView) -> np.ndarray:
+        return np.zeros(step.rows, np.int64)
+
+    def request_caps(self, predictor: LengthPredictor, problem_idx: np.ndarray, samples_per_problem: int = 1) -> np.ndarray:
+        return np.zeros(np.asarray(problem_idx).size, np.int32)
 
 
-def _b(name: str, summary: str, *runs_in: str) -> Budget:
-    return Budget(name, summary, frozenset(runs_in))
+class FixedBudget(Budget):
+    """``fixed``: each row's own cap (up to K) whenever the drafter finds a match.
+
+    Args:
+        max_draft: K, the per-request cap :meth:`request_caps` gives.
+    """
+
+    name = "fixed"
+    summary = "up to K draft tokens per row whenever the drafter finds a match (the paper's 'unlimited draft budget')"
+    runs_in = frozenset({"proposer", "scheduler", "grpo", "simulator"})
+    static = True
+
+    def __init__(self, max_draft: int = 16):
+        self.max_draft = int(max_draft)
+
+    def request_caps(self, predictor: LengthPredictor, problem_idx: np.ndarray, samples_per_problem: int = 1) -> np.ndarray:
+        return np.full(np.asarray(problem_idx).size, self.max_draft, np.int32)
 
 
-BUDGETS: dict[str, Budget] = {b.name: b for b in (
-    _b("none", "no draft tokens (in the proposer: vLLM's speculative path and the drafter's inserts, drafting nothing: "
-               "their per-step cost on their own, against the method none)", "proposer", "scheduler", "simulator"),
-    _b("fixed", "up to K draft tokens per row whenever the drafter finds a match (the paper's 'unlimited draft budget')",
-       "proposer", "scheduler", "simulator"),
-    _b("cost", "keep the draft tokens whose calibrated path probability pays for their verification under the step-cost model "
-               "fitted online (scheduler.step_policy, scheduler.regime_cost)", "proposer"),
-    _b("makespan", "'cost', with each row's accepted token valued at what it saves a draining batch: c_row plus c_base times "
-                   "the odds that its request finishes last, from the length predictor (scheduler.makespan)", "proposer"),
-    _b("class", "DAS length classes from the length predictor: Long 16, Medium 4, Short 0 draft tokens, capped at K",
-       "proposer", "scheduler"),
-    _b("class-eq9", "DAS's deployed class policy as published: class budgets from Eq. 7 / Eq. 9 at each class's mean, "
-                    "a quota of 160 draft tokens per step spent Long first, no drafts above 64 running requests", "simulator"),
-    _b("class-roofline", "up to K per row, at most the step's roofline-knee draft tokens per step, spent in class order "
-                         "(Long, Medium, Short; then by predicted remaining length); ours", "simulator"),
-    _b("eq7", "DAS Eq. 7 / Eq. 9 per request: predicted remaining length, per-request acceptance estimates and the online cost model",
-       "proposer", "scheduler", "simulator"),
-)}
+BUDGETS: dict[str, type[Budget]] = {c.name: c for c in (
+    NoneBudget, FixedBudget, CostBudget, MakespanBudget, ClassBudget, ClassEq9Budget, ClassRooflineBudget, Eq7Budget)}
 
 # Former names: refused with an error that names the new one.
 RENAMED: dict[str, str] = {"unlimited": "fixed", "das": "class-eq9", "das-roofline": "class-roofline"}
 
 
+@dataclass
+class BudgetSetting:
+    """What a host knows that a budget may need, for :func:`make_budget`.
+
+    Attributes:
+        max_draft: K, the most draft tokens per row and step.
+        cost: the host's online step-cost fit (``eq7``; default: a fresh unfitted one).
+        offline_cost: ``(c_base, c_tok)`` Eq. 1 constants fitted offline (``class-eq9``; seconds).
+        class_caps: ``(long, medium, short)`` draft tokens of ``class`` (default ``(16, 4, 0)``,
+            each capped at K).
+        seed: seed of ``eq7``'s stochastic rounding (None: round to nearest).
+        draft_while_unfitted: ``eq7`` leaves the rows' caps while ``cost`` is not fitted (True)
+            instead of drafting nothing.
+    """
+
+    max_draft: int = 16
+    cost: CostModel | None = None
+    offline_cost: tuple[float, float] | None = None
+    class_caps: tuple[int, int, int] | None = None
+    seed: int | None = 0
+    draft_while_unfitted: bool = False
+
+
 def names(runs_in: str | None = None) -> tuple[str, ...]:
-    """Budget names in registry order, those that run in ``runs_in`` (``proposer``, ``scheduler``, ``simulator``) or all."""
-    return tuple(n for n, b in BUDGETS.items() if runs_in is None or runs_in in b.runs_in)
+    """Budget names in registry order, those offered in ``runs_in`` (``proposer``, ``scheduler``,
+    ``grpo``, ``simulator``) or all."""
+    return tuple(n for n, c in BUDGETS.items() if runs_in is None or runs_in in c.runs_in)
 
 
 def resolve(name: object, runs_in: str | None = None) -> str:
-    """``name`` checked against the registry (and, with ``runs_in``, against where it must run).
+    """``name`` checked against the registry (and, with ``runs_in``, against where it is offered).
 
     Raises:
         ValueError: an unknown name, a former name (the message gives the new one), or a budget that
-            does not run in ``runs_in``; the message lists the valid names.
+            is not offered in ``runs_in``; the message lists the valid names.
     """
     valid = names(runs_in)
     where = f" ({runs_in})" if runs_in else ""
@@ -84,6 +127,34 @@ def resolve(name: object, runs_in: str | None = None) -> str:
     return name
 
 
+def budget_class(name: object, runs_in: str | None = None) -> type[Budget]:
+    """The class of budget ``name`` (checked as :func:`resolve`)."""
+    return BUDGETS[resolve(name, runs_in)]
+
+
 def describe(runs_in: str | None = None) -> str:
     """One line per budget, ``name: summary`` (for help texts)."""
     return "; ".join(f"'{n}': {BUDGETS[n].summary}" for n in names(runs_in))
+
+
+def make_budget(name: object, runs_in: str | None = None, setting: BudgetSetting | None = None) -> Budget:
+    """A fresh budget ``name`` (checked as :func:`resolve`) built from what the host knows.
+
+    Raises:
+        ValueError: a bad name (as :func:`resolve`), or ``class-eq9`` without ``offline_cost``.
+    """
+    cls = budget_class(name, runs_in)
+    s = setting or BudgetSetting()
+    k = int(s.max_draft)
+    if cls is FixedBudget:
+        return FixedBudget(k)
+    if cls is ClassBudget:
+        long, medium, short = s.class_caps or (16, 4, 0)
+        return ClassBudget(min(long, k), min(medium, k), min(short, k), max_draft=k)
+    if cls is Eq7Budget:
+        return Eq7Budget(s.cost, max_draft=k, seed=s.seed, draft_while_unfitted=s.draft_while_unfitted)
+    if cls is ClassEq9Budget:
+        if s.offline_cost is None:
+            raise ValueError("budget 'class-eq9' needs the Eq. 1 constants fitted offline (BudgetSetting.offline_cost = (c_base, c_tok))")
+        return ClassEq9Budget(k, *s.offline_cost)
+    return cls()

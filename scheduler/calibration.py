@@ -5,7 +5,7 @@ tree's continuation frequencies up to it, i.e. its estimate of P(this token and 
 draft token of the row are accepted). Those frequencies are biased in ways a single factor
 cannot fix: a branch seen once says ``1.0`` and is often wrong, a branch seen in 40 of 50
 rollouts says ``0.8`` and is about right. A cost budget that prices each draft token by its
-probability (:func:`scheduler.step_policy.choose_drafts`) needs the *real* probability.
+probability (:func:`scheduler.draft_selection.choose_drafts`) needs the *real* probability.
 
 :class:`AcceptanceCalibration` learns the map from the engine's own verification outcomes,
 binned by the drafter's probability (a reliability diagram, Niculescu-Mizil & Caruana 2005,

@@ -20,7 +20,9 @@ import math
 
 import numpy as np
 
-__all__ = ["TwoRegimeCost"]
+from scheduler.step_price import LinearPrice
+
+__all__ = ["TwoRegimeCost", "best_subset_fit"]
 
 _NAMES = ("c_base", "c_row", "c_draft", "c_spec")
 _SCALE = np.array([1.0, 1e-2, 1e-2, 1.0])  # features in units of 100 tokens: well-conditioned sums
@@ -48,7 +50,7 @@ def _subset_fit(xtx: np.ndarray, xty: np.ndarray, mask: int) -> np.ndarray | Non
     return full
 
 
-def _best_subset_fit(xtx: np.ndarray, xty: np.ndarray, yty: float, hint: int = 15) -> np.ndarray | None:
+def best_subset_fit(xtx: np.ndarray, xty: np.ndarray, yty: float, hint: int = 15) -> np.ndarray | None:
     """Non-negative least squares over the 4 coefficients from the normal equations, by subsets.
 
     Every subset of the coefficients that keeps ``c_base`` is solved unconstrained; among the
@@ -158,7 +160,7 @@ class TwoRegimeCost:
         scale_t = max(self._yty, 1e-12) ** 0.5 / max(self._xtx[0, 0], 1.0) ** 0.5  # seconds per step, typical
         for row in (np.array([0.0, -1.0, 1.0, 0.0]) * scale_t, np.array([0.0, 0.0, 0.0, 1.0])):
             xtx += self.prior_weight * np.outer(row, row)
-        best = _best_subset_fit(xtx, xty, self._yty, self._support)
+        best = best_subset_fit(xtx, xty, self._yty, self._support)
         if best is not None:
             self._support = sum(1 << i for i in range(4) if best[i] > 0.0)
         self._coef = None if best is None else best * _SCALE
@@ -182,6 +184,18 @@ class TwoRegimeCost:
         """Predicted seconds of a step with ``rows`` rows and each of ``drafts`` (int array, > 0) draft tokens."""
         c = self._require()
         return c[0] + c[3] + c[1] * rows + c[2] * np.asarray(drafts, np.float64)
+
+    def price(self, rows: int) -> LinearPrice:
+        """The fitted price of a step of ``rows`` rows (:class:`scheduler.step_price.LinearPrice`):
+        plain ``c_base + c_row * rows``, speculative before drafts ``+ c_spec``, ``c_draft`` per
+        draft token (each time at least 1 ns).
+
+        Raises:
+            RuntimeError: nothing fitted yet.
+        """
+        c = self._require()
+        plain = max(float(c[0] + c[1] * rows), 1e-9)
+        return LinearPrice(plain, max(float(c[0]) + float(c[3]) + float(c[1]) * rows, 1e-9), float(c[2]), float(c[0]), float(c[1]))
 
     def _require(self) -> np.ndarray:
         coef = self._solve()

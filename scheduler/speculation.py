@@ -1,44 +1,48 @@
-"""One object for the proposer to call each engine step: predictor + acceptance + cost + budget.
+"""Draft caps before the drafter runs, for hosts outside the vLLM proposer.
 
-:class:`SpeculationScheduler` turns per-row facts the proposer has (problem, tokens generated,
-draft tokens offered and accepted so far, steps) into one int draft cap per row, under one of
-the budgets of :mod:`scheduler.budgets` that run here: ``none`` (0), ``fixed`` (``max_draft``), ``class`` (:class:`ClassBudget` on the
-predictor's run-time class) or ``eq7`` (:class:`Eq7Budget` on the predictor's expected remaining
-length, :func:`estimate_acceptance` and the online :class:`CostModel`), and learns the cost model
-from measured step times (:meth:`SpeculationScheduler.observe_step`).
+* :class:`SpeculationScheduler`: per-row facts a host has (problem, tokens generated, draft tokens
+  offered and accepted so far, steps) in, one int draft cap per row out, under one of the budgets
+  offered in ``scheduler`` (:mod:`scheduler.budgets`: ``none``, ``fixed``, ``class``, ``eq7``);
+  it learns the Eq. 1 cost model from measured step times (:meth:`SpeculationScheduler.observe_step`).
+* :func:`static_budgets`: per-problem caps fixed at submission, for ``SamplingParams.extra_args``.
+* :class:`RequestCaps`: the same for a loop that runs iteration after iteration (the GRPO loop's
+  ``scheduler.budget``), with the length history of the rollouts it has seen.
 
 Units: tokens for lengths, drafts and caps; seconds for times.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from scheduler import budgets
-from scheduler.acceptance import DEFAULT_A, DEFAULT_K, estimate_acceptance
-from scheduler.budget import ClassBudget, Eq7Budget
+from scheduler.acceptance import DEFAULT_A, DEFAULT_K
+from scheduler.budget_protocol import RowFacts, StepView
+from scheduler.class_budgets import ClassBudget
 from scheduler.cost_model import CostModel
+from scheduler.eq7 import Eq7Budget
 from scheduler.predictor import LengthPredictor
 
-__all__ = ["POLICIES", "SpeculationScheduler", "static_budgets"]
+__all__ = ["BUDGETS", "RequestCaps", "SpeculationScheduler", "static_budgets"]
 
-POLICIES = budgets.names("scheduler")  # none, fixed, class, eq7
+BUDGETS = budgets.names("scheduler")  # none, fixed, class, eq7
 
 
-def _check_policy(policy: str) -> str:
+def _check_budget(name: str, runs_in: str = "scheduler") -> str:
     try:
-        return budgets.resolve(policy, "scheduler")
+        return budgets.resolve(name, runs_in)
     except ValueError as exc:
-        raise ValueError(f"policy: {exc}") from None
+        raise ValueError(f"budget: {exc}") from None
 
 
 class SpeculationScheduler:
     """Per-step speculation caps for a batch of running requests.
 
     Args:
-        policy: one of :data:`POLICIES` (a former name, e.g. ``unlimited``, is refused with the new one).
+        budget: one of :data:`BUDGETS` (a former name, e.g. ``unlimited``, is refused with the new one).
         max_draft: the proposer's K (most draft tokens per row and step).
         predictor: a :class:`LengthPredictor` with history (required by ``class`` and ``eq7``).
         cost: a :class:`CostModel` (``eq7``; default: an unfitted ``CostModel()``, so ``eq7``
@@ -47,15 +51,15 @@ class SpeculationScheduler:
             each capped at ``max_draft``).
         k_prior, a_prior: Eq. 3 acceptance prior (scalars or per-request arrays at call time).
         prior_steps: weight of the acceptance prior, in steps.
-        form, step_rule, seed: passed to :class:`Eq7Budget`.
+        form, step_rule, seed: passed to :class:`scheduler.eq7.Eq7Solver`.
 
     Raises:
-        ValueError: unknown policy, or a policy that needs a predictor without one.
+        ValueError: unknown budget, or a budget that needs a predictor without one.
     """
 
     def __init__(
         self,
-        policy: str = "eq7",
+        budget: str = "eq7",
         *,
         max_draft: int = 16,
         predictor: LengthPredictor | None = None,
@@ -68,36 +72,29 @@ class SpeculationScheduler:
         step_rule: bool = True,
         seed: int | None = 0,
     ):
-        policy = _check_policy(policy)
-        if policy in ("class", "eq7") and predictor is None:
-            raise ValueError(f"policy {policy!r} needs a LengthPredictor (predictor=...)")
+        name = _check_budget(budget)
         if not isinstance(max_draft, (int, np.integer)) or max_draft < 0:
             raise ValueError(f"max_draft must be an int >= 0, got {max_draft!r}")
-        self.policy = policy
         self.max_draft = int(max_draft)
-        self.predictor = predictor
         self.cost = cost if cost is not None else CostModel()
-        self.class_budget = class_budget or ClassBudget(long=min(16, self.max_draft), medium=min(4, self.max_draft), short=0)
-        self.k_prior, self.a_prior, self.prior_steps = k_prior, a_prior, prior_steps
-        self.eq7 = Eq7Budget(self.cost, max_draft=self.max_draft, form=form, step_rule=step_rule, seed=seed)
+        cls = budgets.budget_class(name)
+        if cls is Eq7Budget:
+            self.budget = Eq7Budget(self.cost, max_draft=self.max_draft, k_prior=k_prior, a_prior=a_prior, prior_steps=prior_steps,
+                                    form=form, step_rule=step_rule, seed=seed)
+        elif cls is ClassBudget and class_budget is not None:
+            t = class_budget.table
+            self.budget = ClassBudget(int(t[2]), int(t[1]), int(t[0]), max_running=class_budget.max_running, max_draft=self.max_draft)
+        else:
+            self.budget = budgets.make_budget(name, "scheduler", budgets.BudgetSetting(max_draft=self.max_draft, cost=self.cost))
+        if self.budget.length_aware and predictor is None:
+            raise ValueError(f"budget {name!r} needs a LengthPredictor (predictor=...)")
+        self.predictor = predictor
 
     def observe_step(self, n_tokens, seconds, context_tokens=None) -> None:
         """Feed measured step times to the cost model (see :meth:`CostModel.observe`)."""
         self.cost.observe(n_tokens, seconds, context_tokens)
 
-    def caps(
-        self,
-        problem_idx,
-        generated,
-        drafted,
-        accepted,
-        steps,
-        *,
-        context_tokens=None,
-        remaining=None,
-        k=None,
-        a=None,
-    ) -> np.ndarray:
+    def caps(self, problem_idx, generated, drafted, accepted, steps, *, context_tokens=None, remaining=None, k=None, a=None) -> np.ndarray:
         """Draft caps for this step, one per running request.
 
         Args:
@@ -108,7 +105,7 @@ class SpeculationScheduler:
             context_tokens: optional ``[B]`` prompt + output tokens of each request (KV cache);
                 with a cost model that fits ``c_ctx``, each pass of request i costs it
                 ``c_ctx * (context_i + remaining_i / 2)`` on its own (its mean KV read over the
-                rest of its life; :meth:`Eq7Budget.plan` ``per_request_cost_s``).
+                rest of its life; :meth:`scheduler.eq7.Eq7Solver.solve` ``per_request_cost_s``).
             remaining, k, a: optional overrides ``[B]`` (oracle lengths or known acceptance).
 
         Returns:
@@ -116,36 +113,27 @@ class SpeculationScheduler:
         """
         g = np.asarray(generated, np.float64)
         b = g.shape[0] if g.ndim else 0
-        if self.policy == "none" or b == 0:
-            return np.zeros(b, np.int32)
-        if self.policy == "fixed":
-            return np.full(b, self.max_draft, np.int32)
-        idx = np.asarray(problem_idx, np.int64)
-        if self.policy == "class":
-            pred = self.predictor.predict(idx, g)
-            return np.minimum(self.class_budget.caps(pred.cls), self.max_draft).astype(np.int32)
-        if remaining is None:
-            remaining = self.predictor.predict(idx, g).expected_remaining
-        remaining = np.asarray(remaining, np.float64)
-        if k is None or a is None:
-            k_est, a_est = estimate_acceptance(drafted, accepted, steps, self.k_prior, self.a_prior, self.prior_steps)
-            k = k_est if k is None else k
-            a = a_est if a is None else a
-        per_req = None
-        if self.cost.ready and self.cost.use_context and context_tokens is not None:
-            ctx = np.asarray(context_tokens, np.float64)
-            per_req = self.cost.c_ctx * (ctx + 0.5 * remaining)
-        return self.eq7.caps(remaining, np.asarray(k, np.float64), np.asarray(a, np.float64), per_request_cost_s=per_req)
+        if b == 0:
+            return np.zeros(0, np.int32)
+
+        def as_f(x) -> np.ndarray | None:
+            return None if x is None else np.asarray(x, np.float64)
+
+        def facts() -> RowFacts:
+            return RowFacts(self.predictor, np.asarray(problem_idx, np.int64), g, np.full(b, float(self.predictor.max_tokens)),
+                            as_f(drafted), as_f(accepted), as_f(steps), as_f(context_tokens), as_f(remaining), as_f(k), as_f(a))
+
+        return self.budget.plan(StepView(np.full(b, self.max_draft, np.int64), facts=facts)).astype(np.int32)
 
     def describe(self) -> dict[str, Any]:
-        """Policy, K and the cost model's coefficients (None while unfitted)."""
-        return {"policy": self.policy, "max_draft": self.max_draft, "cost": self.cost.coefficients()}
+        """Budget, K and the cost model's coefficients (None while unfitted)."""
+        return {"budget": self.budget.name, "max_draft": self.max_draft, "cost": self.cost.coefficients()}
 
 
 def static_budgets(
     problem_ids,
     predictor: LengthPredictor,
-    policy: str = "eq7",
+    budget: str = "eq7",
     *,
     max_draft: int = 16,
     cost: CostModel | None = None,
@@ -167,22 +155,53 @@ def static_budgets(
     Returns:
         int32 ``[len(problem_ids)]`` draft tokens per step.
     """
-    policy = _check_policy(policy)
+    _check_budget(budget)
     if not isinstance(samples_per_problem, (int, np.integer)) or samples_per_problem < 1:
         raise ValueError(f"samples_per_problem must be an int >= 1, got {samples_per_problem!r}")
-    idx = predictor.index(list(problem_ids))
-    n = idx.size
-    if policy == "none":
-        return np.zeros(n, np.int32)
-    if policy == "fixed":
-        return np.full(n, max_draft, np.int32)
-    if policy == "class":
-        cb = class_budget or ClassBudget(long=min(16, max_draft), medium=min(4, max_draft))
-        return np.minimum(cb.table[predictor.initial_class(idx)], max_draft).astype(np.int32)
-    if cost is None or not cost.ready:
-        return np.zeros(n, np.int32)
-    total = predictor.predict(idx, np.zeros(n)).expected_total
-    r = np.repeat(total, samples_per_problem)
-    plan = Eq7Budget(cost, max_draft=max_draft, step_rule=False, seed=None).plan(r, np.full(r.size, k_prior), np.full(r.size, a_prior))
-    rate = plan.rate.reshape(n, samples_per_problem).max(axis=1)
-    return np.minimum(np.ceil(rate), max_draft).astype(np.int32)
+    sched = SpeculationScheduler(budget, max_draft=max_draft, predictor=predictor, cost=cost, class_budget=class_budget,
+                                 k_prior=k_prior, a_prior=a_prior)
+    return sched.budget.request_caps(predictor, predictor.index(list(problem_ids)), samples_per_problem)
+
+
+class RequestCaps:
+    """Per-problem ``das_max_draft_tokens`` at submission, iteration after iteration (the GRPO loop's ``scheduler.budget``).
+
+    After each iteration the rollout lengths are recorded (:meth:`observe`, a
+    :class:`LengthPredictor` over the last ``window`` policy versions); before the next,
+    :meth:`caps` gives every problem its budget's cap (``class``: the cap of its majority class
+    among its past rollouts; unseen problems get the most common class). The run-time class
+    update (as a rollout grows past its class) needs the proposer's per-step budget; this is the
+    submission half.
+
+    Args:
+        budget: a budget offered in ``grpo`` (:mod:`scheduler.budgets`).
+        max_tokens: the rollouts' most output tokens.
+        max_draft: K.
+        window: policy versions of length history.
+        long, medium, short: the ``class`` budget's draft tokens per class.
+
+    Raises:
+        ValueError: a budget not offered in ``grpo`` (the message lists those that are).
+    """
+
+    def __init__(self, budget: str, *, max_tokens: int, max_draft: int, window: int = 16, long: int = 16, medium: int = 4, short: int = 0):
+        name = _check_budget(budget, "grpo")
+        setting = budgets.BudgetSetting(max_draft=int(max_draft), class_caps=(int(long), int(medium), int(short)))
+        self.budget = budgets.make_budget(name, "grpo", setting)
+        self.predictor = LengthPredictor(int(max_tokens), window=int(window))
+        self.seen = 0
+
+    def caps(self, problem_ids: Sequence[str]) -> list[int | None]:
+        """One cap per problem (draft tokens per step); all None (no cap) before any history."""
+        if self.seen == 0:
+            return [None] * len(problem_ids)
+        return [int(c) for c in self.budget.request_caps(self.predictor, self.predictor.index(list(problem_ids)))]
+
+    def observe(self, policy_version: int, problem_ids: Sequence[str], lengths: Sequence[int]) -> None:
+        """Record one iteration's rollouts: each one's problem and output length (tokens)."""
+        by: dict[str, list[int]] = {}
+        for pid, n in zip(problem_ids, lengths):
+            by.setdefault(pid, []).append(int(n))
+        for pid, ls in by.items():
+            self.predictor.observe(pid, int(policy_version), ls)
+        self.seen += len(lengths)

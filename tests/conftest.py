@@ -230,3 +230,16 @@ def without_bwrap(monkeypatch):
     code_sandbox.forget_probes()
     yield
     code_sandbox.forget_probes()
+
+
+def length_history():
+    """A :class:`scheduler.predictor.LengthPredictor` (16K max tokens, classes split at 2K and 8K)
+    that has seen 10 short problems (``short0``..``short9``, 500 tokens each) and 10 long ones
+    (``long0``..``long9``, 15,000 tokens), 8 rollouts each, at policy version 1."""
+    from scheduler.predictor import LengthPredictor
+
+    pred = LengthPredictor(16384, bounds=(2000, 8000))
+    for i in range(10):
+        pred.observe(f"short{i}", 1, [500] * 8)
+        pred.observe(f"long{i}", 1, [15000] * 8)
+    return pred

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from scheduler.calibration import AcceptanceCalibration
-from scheduler.step_policy import choose_drafts
+from scheduler.draft_selection import choose_drafts
 
 
 def _feed(cal, true_rate, steps=400, seed=0):

@@ -107,14 +107,14 @@ def test_expected_states_the_schema_bounds_in_words():
 # ---- the budget registry
 
 
-def test_one_name_per_policy_everywhere():
-    from benchmarks._sim_policy import POLICIES as SIM
+def test_one_name_per_budget_everywhere():
+    from benchmarks._sim_budget import BUDGETS as SIM
     from integrations.vllm_ext.proposer import BUDGETS
-    from scheduler.speculation import POLICIES
+    from scheduler.speculation import BUDGETS as SCHED
 
     assert BUDGETS == budgets.names("proposer") == ("none", "fixed", "cost", "makespan", "class", "eq7")
-    assert POLICIES == budgets.names("scheduler") == ("none", "fixed", "class", "eq7")
-    assert SIM == budgets.names("simulator") == ("none", "fixed", "class-eq9", "class-roofline", "eq7")
+    assert SCHED == budgets.names("scheduler") == ("none", "fixed", "class", "eq7")
+    assert SIM == budgets.names("simulator") == ("none", "fixed", "cost", "makespan", "class-eq9", "class-roofline", "eq7")
     assert DEFAULTS.budget in BUDGETS
     assert all(b.summary and b.runs_in for b in budgets.BUDGETS.values())
     assert not set(budgets.RENAMED) & set(budgets.BUDGETS)
@@ -124,11 +124,11 @@ def test_one_name_per_policy_everywhere():
 
 
 def test_simulator_refuses_former_names():
-    from benchmarks._sim_policy import make_policy
+    from benchmarks._sim_budget import make_sim_budget
 
     with pytest.raises(ValueError, match="'das-roofline' is now called 'class-roofline'"):
-        make_policy("das-roofline", None, 16, {})
-    assert make_policy("fixed", None, 16, {}).name == "fixed"
+        make_sim_budget("das-roofline", None, 16, {})
+    assert make_sim_budget("fixed", None, 16, {}).name == "fixed"
 
 
 # ---- das-rollout: every bad input refused before any model or engine loads

@@ -4,9 +4,11 @@ import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from scheduler.draft_selection import choose_drafts, drafting_can_pay
 from scheduler.makespan import last_finish_probability, token_values
-from scheduler.step_policy import choose_drafts, drafting_can_pay
 
 
 def test_rows_the_model_cannot_tell_apart_share_equally():
@@ -56,12 +58,12 @@ def _saving(probs, values, keep, per_draft, extra):
     return got - per_draft * sum(keep) - (extra if sum(keep) else 0.0)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_value_rule_keeps_the_best_prefixes(seed):
-    rng = np.random.default_rng(seed)
-    probs = [np.sort(rng.uniform(0, 1, rng.integers(0, 4)))[::-1].cumprod() for _ in range(rng.integers(1, 4))]
-    values = rng.uniform(0.0, 0.05, len(probs))
-    plain, extra, per_draft = 0.1, rng.uniform(0.0, 0.01), rng.uniform(0.001, 0.01)
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 1.0), max_size=3), min_size=1, max_size=3), st.data(), st.floats(0.0, 0.01), st.floats(0.001, 0.01))
+def test_value_rule_keeps_the_best_prefixes(rows, data, extra, per_draft):
+    probs = [np.sort(np.array(r, np.float64))[::-1].cumprod() for r in rows]
+    values = np.array(data.draw(st.lists(st.floats(0.0, 0.05), min_size=len(probs), max_size=len(probs))))
+    plain = 0.1
     keep = choose_drafts(probs, plain, plain + extra, per_draft, values=values)
     best = max(_saving(probs, values, k, per_draft, extra) for k in itertools.product(*[range(len(p) + 1) for p in probs]))
     assert _saving(probs, values, keep, per_draft, extra) == pytest.approx(max(best, 0.0))

@@ -155,7 +155,7 @@ def test_finished_requests_free_their_state_but_keep_history():
     eng.seqs["b"] += [3, 4, 5]
     eng.layout(["b"])
     drafts = prop.propose([[5]], eng.lens, eng.tokens)
-    assert "a" not in prop._reqs
+    assert "a" not in prop._slot_of
     assert drafts[0] == [6, 7, 8, 9, 10]  # a's continuation (the problem tree also holds the prompt tail)
 
 
@@ -246,8 +246,8 @@ def test_length_policies_learn_lengths_from_finished_rollouts():
     eng.layout([])
     prop.propose([], eng.lens, eng.tokens)
     prop.begin_iteration(2)
-    assert prop.scheduler is not None
-    assert prop.scheduler.predictor.history_lengths("short-problem").tolist() == [6]
+    assert prop.predictor is not None
+    assert prop.predictor.history_lengths("short-problem").tolist() == [6]
     snap = prop.snapshot()
     assert snap["budget"] == "class" and snap["failures"] == 0
 
@@ -268,7 +268,7 @@ def test_a_warm_up_request_gets_no_drafts_and_leaves_no_tree_or_length_history()
     eng.layout([])
     prop.propose([], eng.lens, eng.tokens)
     prop.begin_iteration(2)
-    assert prop.scheduler.predictor.history_lengths("p").tolist() == [8]  # the real request's only
+    assert prop.predictor.history_lengths("p").tolist() == [8]  # the real request's only
 
 
 @pytest.mark.parametrize("bad", [{"das_max_draft_tokens": "abc"}, {"das_max_draft_tokens": -1}, {"das_problem_id": [1, 2]},
@@ -292,20 +292,7 @@ def test_a_request_with_bad_options_loses_only_its_own_draft(bad):
     eng.finish("bad")
     eng.layout(["good"])
     prop.propose([[6]], eng.lens, eng.tokens)
-    assert "bad" not in prop._reqs
-
-
-def test_warm_up_and_exploration_drafts_are_bounded_and_go_to_the_likeliest_rows():
-    from integrations.vllm_ext.proposer import _likeliest_rows
-
-    rows = [[0.2, 0.9], [], [0.9] * 6, [0.5] * 3]
-    lengths = np.array([len(r) for r in rows], np.int64)
-    probs = np.zeros((4, 6), np.float32)
-    for i, r in enumerate(rows):
-        probs[i, : len(r)] = r
-    assert _likeliest_rows(probs, lengths, per_row=4, total=5).tolist() == [0, 0, 4, 1]  # 4 on the likeliest, the rest to the next
-    assert _likeliest_rows(probs, lengths, per_row=1, total=1).tolist() == [0, 0, 1, 0]
-    assert _likeliest_rows(probs, lengths, per_row=4, total=100).tolist() == [2, 0, 4, 3]  # never more than a row has
+    assert "bad" not in prop._slot_of
 
 
 def test_cost_budget_warm_up_step_drafts_a_quarter_of_a_large_batch():
@@ -333,92 +320,21 @@ def test_cost_budget_warm_up_step_drafts_a_quarter_of_a_large_batch():
 
 
 def _hand_clock(prop):
-    """``step(seconds, rows, drafted, accepted=0)``: feed the proposer's cost models one clean
-    decode step of ``rows`` rows that verified ``drafted`` draft tokens, ``seconds`` after the last."""
+    """``step(seconds, rows, drafted, accepted=0)``: feed the proposer's planner one clean decode
+    step of ``rows`` rows that verified ``drafted`` draft tokens, ``seconds`` after the last."""
     now = 0.0
 
     def step(seconds, rows, drafted, accepted=0):
         nonlocal now
-        prop._last_drafted = drafted
         now += seconds
-        prop._record_step(now, rows + drafted, 100 * rows, True, rows, accepted)
+        prop.planner.record_step(now, rows, drafted, rows + drafted, 100 * rows, True, accepted)
 
     return step
 
 
-def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimates():
-    # The cost fit and the calibration can both be too optimistic; the realized tokens per second
-    # of drafting steps against the fitted plain step is the check. Steps fed by hand: 8 rows,
-    # plain 0.1 s; drafting steps of 8 draft tokens.
-    prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
-    clock = _hand_clock(prop)
-
-    def step(seconds, drafted, accepted):
-        clock(seconds, 8, drafted, accepted)
-
-    step(0.1, 0, 0)  # the first step only starts the clock
-    for _ in range(8):
-        step(0.1, 0, 0)
-        step(0.1 + 0.01 * 8, 8, 4)  # fits the model: a draft token costs 10 ms
-    assert prop.regimes.ready
-    start = prop._payoff_scale
-    for _ in range(20):
-        step(0.4, 8, 1)  # 9 tokens in 0.4 s against 8 in 0.1 s: drafting loses on the clock
-    assert prop._payoff_scale < start and prop._payoff_scale >= 0.25
-    low = prop._payoff_scale
-    assert np.allclose(prop._row_calibration(np.array([-1]), np.array([False])), prop._calibration() * low)
-    for _ in range(20):
-        step(0.11, 8, 8)  # 16 tokens in 0.11 s: drafting pays
-    assert low < prop._payoff_scale <= 1.0
-
-
-def test_a_full_batch_after_small_warm_up_steps_is_measured_not_taken_for_idle_gaps():
-    # An engine warms up on 2 rows (0.03 s steps), then decodes 64 rows (0.15 s plain steps,
-    # more with drafts): those are steps, and the cost fit must see them all. An idle gap (30 s
-    # between generate() calls) is still left out.
-    prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
-    step = _hand_clock(prop)
-    step(0.03, 2, 0)  # starts the clock
-    for _ in range(10):
-        step(0.03, 2, 0)
-    seen = prop.regimes.n_plain + prop.regimes.n_spec
-    for i in range(40):
-        step(0.15 + 0.001 * 40 * (i % 2), 64, 40 * (i % 2))
-    assert prop.regimes.n_plain + prop.regimes.n_spec == seen + 40
-    step(30.0, 64, 0)  # an idle gap
-    assert prop.regimes.n_plain + prop.regimes.n_spec == seen + 40
-    for _ in range(5):  # the tail: one row again, 0.03 s steps
-        step(0.03, 1, 0)
-    assert prop.regimes.n_plain + prop.regimes.n_spec == seen + 45
-
-
-def test_the_engines_warm_up_steps_never_reach_the_cost_fit():
-    # An engine's first decode steps compile kernels: seconds each (7.2 s and 9.3 s at 2 rows
-    # were seen), then 26 ms. Fitted, they made c_base 0.42 s and drafts look free. They are
-    # held back with the first SCREEN_STEPS steps and dropped against their median.
-    from integrations.vllm_ext.proposer import SCREEN_STEPS
-
-    prop = DASProposer(make_config({"budget": "cost"}), runner=Engine().runner)
-    step = _hand_clock(prop)
-    step(0.03, 2, 0)  # starts the clock
-    step(7.2, 2, 0)
-    step(9.3, 2, 0)
-    for _ in range(SCREEN_STEPS - 3):
-        step(0.026, 2, 0)
-    assert prop.regimes.n_plain == 0  # held back until SCREEN_STEPS clean steps are in
-    step(0.026, 2, 0)
-    assert prop.regimes.n_plain == SCREEN_STEPS - 2  # both warm-up steps dropped
-    for i in range(40):  # plain 22 ms + 1.4 ms per row, a draft token 1.2 ms
-        rows = 2 + i % 31
-        drafted = 4 * rows * (i % 2)
-        step(0.022 + 0.0014 * rows + 0.0012 * drafted, rows, drafted)
-    c = prop.regimes.coefficients()
-    assert c["c_base"] == pytest.approx(0.022, rel=0.05)
-    assert c["c_draft"] == pytest.approx(0.0012, rel=0.05)
-
-
 def test_the_step_log_has_a_line_per_clean_step_and_says_which_ones_the_fit_used(tmp_path, monkeypatch):
-    from integrations.vllm_ext.proposer import SCREEN_STEPS, STEP_LOG_FIELDS
+    from integrations.vllm_ext.proposer import STEP_LOG_FIELDS
+    from scheduler.planner import SCREEN_STEPS
 
     log = tmp_path / "steps.jsonl"
     monkeypatch.setenv("DAS_STEP_LOG", str(log))
@@ -449,12 +365,12 @@ def test_verification_outcomes_fill_the_reliability_bins():
     answer = [10, 11, 12, 13, 14, 15, 16, 17]
     drafts = sibling_draft(eng, prop, answer)
     assert len(drafts[0]) == 4
-    assert prop.acceptance.trials.sum() == 0
+    assert prop.planner.acceptance.trials.sum() == 0
     eng.seqs["b"] += [answer[4], answer[5], 99]
     eng.layout(["b", "a"])
     prop.propose([[answer[4], answer[5], 99], [answer[-1]]], eng.lens, eng.tokens)
-    assert prop.acceptance.trials.sum() == pytest.approx(4.0)
-    assert prop.acceptance.accepted.sum() == pytest.approx(2.0)
+    assert prop.planner.acceptance.trials.sum() == pytest.approx(4.0)
+    assert prop.planner.acceptance.accepted.sum() == pytest.approx(2.0)
     table = prop.snapshot()["reliability"]
     assert sum(r["trials"] for r in table) == pytest.approx(4.0)
 
@@ -473,7 +389,7 @@ def _priced_stream(cut: bool, budget: str):
     config.model_config.max_model_len = 256
     prop = DASProposer(config, runner=eng.runner)
     if not cut:
-        prop._cutoff = lambda *args: None
+        prop.planner.budget.cutoff = lambda step: None  # drafts down to the drafter's own cutoff
     drafted = [0]
     speculate = prop.drafter.speculate_batch
 
@@ -518,26 +434,12 @@ def test_drafts_stop_at_the_steps_price_and_the_engine_gets_the_same_drafts(budg
     last step's keep threshold, drafting again where the check says the guess lost a token:
     every step hands the engine the same drafts as when the drafter drafts down to its own
     cutoff and the selection cuts, for fewer drafted tokens."""
-    from integrations.vllm_ext import proposer
+    from scheduler import priced_budgets
 
-    monkeypatch.setattr(proposer, "GUESS_ROWS", 1 if guess else 10**9)
+    monkeypatch.setattr(priced_budgets, "GUESS_ROWS", 1 if guess else 10**9)
     with_cut, drafted_cut, prop = _priced_stream(True, budget)
     without, drafted_all, _ = _priced_stream(False, budget)
     assert with_cut == without
     assert sum(len(d) for step in with_cut for d in step) > 40  # the engine got drafts
     assert prop.stats.cut_steps > 20 and drafted_cut < 0.8 * drafted_all
     assert (prop.stats.recut_steps > 0) == guess  # four rows: the guess misses now and then
-
-
-def test_given_prices_need_no_plain_step_to_remeasure_the_plain_price():
-    """With a fitted two-regime model a plain step is forced after 16 drafting steps (it keeps the
-    plain price measured); with ``c_base``/``c_tok`` given there is nothing to measure, so the gate
-    lets the step draft."""
-    eng = Engine()
-    given = DASProposer(make_config({"budget": "cost", "c_base": 0.05, "c_tok": 1e-5}), runner=eng.runner)
-    fitted = DASProposer(make_config({"budget": "cost"}), runner=eng.runner)
-    budgets, cal = np.full(3, K), np.ones(3)
-    for prop in (given, fitted):
-        prop._since_plain = 20
-    assert given._cost_allows_drafts(budgets, given._prices(3), cal)
-    assert not fitted._cost_allows_drafts(budgets, (0.05, 0.05, 1e-5), cal)

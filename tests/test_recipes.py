@@ -44,7 +44,12 @@ def test_recipe_overrides_and_errors():
     with pytest.raises(ValueError, match="windw"):
         load_recipe(None, ["speculative.das.windw=3"])
     with pytest.raises(ValueError, match="needs speculative.method 'das'"):
-        load_recipe(None, ["scheduler.policy=class", "speculative.method=ngram"])
+        load_recipe(None, ["scheduler.budget=class", "speculative.method=ngram"])
+    with pytest.raises(ValueError, match=r"recipe\.scheduler\.policy: is now scheduler\.budget \(null for the old 'none'"):
+        load_recipe(None, ["scheduler.policy=class"])
+    with pytest.raises(ValueError, match=r"scheduler\.budget must be null or one of \['none', 'fixed', 'class'\], got 'cost'"):
+        load_recipe(None, ["scheduler.budget=cost"])
+    assert load_recipe(None, ["scheduler.budget=class"]).scheduler.budget == "class"
     with pytest.raises(ValueError, match="not key=value"):
         load_recipe(None, ["steps"])
     with pytest.raises(FileNotFoundError):

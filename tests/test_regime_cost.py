@@ -1,10 +1,10 @@
-"""Two-regime step cost (scheduler.regime_cost) and the draft choice that uses it (scheduler.step_policy)."""
+"""Two-regime step cost (scheduler.regime_cost) and the draft choice that uses it (scheduler.draft_selection)."""
 
 import numpy as np
 import pytest
 
+from scheduler.draft_selection import choose_drafts, drafting_can_pay
 from scheduler.regime_cost import TwoRegimeCost
-from scheduler.step_policy import choose_drafts, drafting_can_pay
 
 
 def _steps(model, rng, n, c_base=0.015, c_row=0.0008, c_draft=0.001, c_spec=0.004, noise=0.0):
@@ -90,7 +90,7 @@ def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
     # The last fit's support, tried first and kept when it meets the KKT conditions, and the
     # unconstrained solve are shortcuts. Steps whose true costs are non-negative (shortcut taken) and ones with a negative slope in the
     # data (a subset must win): the fit is the exhaustive search's either way.
-    from scheduler.regime_cost import _best_subset_fit
+    from scheduler.regime_cost import best_subset_fit
 
     rng = np.random.default_rng(7)
     shortcuts = 0
@@ -109,7 +109,7 @@ def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
         support = 15 if want is None else sum(1 << i for i in range(4) if want[i] > 0)
         # No hint, the answer's own support (the KKT shortcut) and a wrong one: the same fit.
         for hint in (15, support, int(rng.integers(0, 16))):
-            got = _best_subset_fit(xtx, xty, yty, hint)
+            got = best_subset_fit(xtx, xty, yty, hint)
             assert (want is None) == (got is None)
             if want is not None:
                 np.testing.assert_allclose(got, want, rtol=1e-9, atol=1e-12)

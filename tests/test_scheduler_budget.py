@@ -1,4 +1,4 @@
-"""Acceptance model (Eq. 3-4), Eq. 7 / Eq. 9 budgets, step rule, class budgets, the scheduler facade."""
+"""Acceptance model (Eq. 3-4), Eq. 7 / Eq. 9 plans, step rule, class caps, the scheduler facade."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import pytest
 from scheduler import (
     ClassBudget,
     CostModel,
-    Eq7Budget,
-    LengthPredictor,
+    Eq7Solver,
     SpeculationScheduler,
     estimate_acceptance,
     forward_passes,
@@ -17,7 +16,7 @@ from scheduler import (
     solve_n_fwd,
     tokens_per_step,
 )
-from scheduler.budget import step_saves_time
+from scheduler.eq7 import step_saves_time
 
 C_BASE, C_TOK = 6.3e-3, 23.8e-6
 
@@ -83,11 +82,11 @@ def test_more_expensive_tokens_mean_less_speculation():
     assert optimal_proposals(r, k, a, cheap)[0].sum() > optimal_proposals(r, k, a, dear)[0].sum()
 
 
-def test_eq7_budget_caps_units_and_unready_cost_model():
-    b = Eq7Budget(CostModel(), max_draft=8)
+def test_eq7_solver_caps_units_and_unready_cost_model():
+    b = Eq7Solver(CostModel(), max_draft=8)
     r = np.array([100.0, 15000.0])
     assert b.caps(r, np.full(2, 0.6), np.ones(2)).tolist() == [0, 0]  # not fitted: no speculation
-    b = Eq7Budget(CostModel(prior=(C_BASE, C_TOK)), max_draft=8, seed=None)
+    b = Eq7Solver(CostModel(prior=(C_BASE, C_TOK)), max_draft=8, seed=None)
     caps = b.caps(r, np.full(2, 0.6), np.ones(2))
     assert caps.dtype == np.int32 and caps[0] == 0 and 0 < caps[1] <= 8
     assert b.last_plan.n_fwd < 15000
@@ -99,7 +98,7 @@ def test_eq7_budget_caps_units_and_unready_cost_model():
 
 def test_per_request_cost_makes_non_critical_requests_draft_at_their_cheapest_rate():
     cm = CostModel(prior=(C_BASE, C_TOK))
-    b = Eq7Budget(cm, max_draft=16, seed=None)
+    b = Eq7Solver(cm, max_draft=16, seed=None)
     r = np.array([200.0, 16000.0])
     k, a = np.full(2, 0.6), np.ones(2)
     assert b.caps(r, k, a)[0] == 0
@@ -121,34 +120,31 @@ def test_step_rule():
 
 
 def test_eq7_applies_the_step_rule(monkeypatch):
-    import scheduler.budget as budget
+    import scheduler.eq7 as eq7
 
     cm = CostModel(prior=(C_BASE, C_TOK))
     r, k, a = np.array([100.0, 16000.0]), np.full(2, 0.6), np.ones(2)
-    assert Eq7Budget(cm, seed=None).caps(r, k, a)[1] > 0
-    monkeypatch.setattr(budget, "step_saves_time", lambda *args, **kw: False)
-    plan = Eq7Budget(cm, seed=None).plan(r, k, a)
+    assert Eq7Solver(cm, seed=None).caps(r, k, a)[1] > 0
+    monkeypatch.setattr(eq7, "step_saves_time", lambda *args, **kw: False)
+    plan = Eq7Solver(cm, seed=None).solve(r, k, a)
     assert plan.step_rule_fired and plan.caps.tolist() == [0, 0] and plan.rate[1] > 0
-    assert Eq7Budget(cm, seed=None, step_rule=False).caps(r, k, a)[1] > 0
+    assert Eq7Solver(cm, seed=None, step_rule=False).caps(r, k, a)[1] > 0
 
 
 # ---------------------------------------------------------------- class budgets and facade
 def test_class_budget():
     cb = ClassBudget(long=12, medium=3, short=0)
-    assert cb.caps([0, 1, 2, 2]).tolist() == [0, 3, 12, 12]
+    assert cb.caps_of([0, 1, 2, 2]).tolist() == [0, 3, 12, 12]
     gated = ClassBudget(max_running=2)
-    assert gated.caps([2, 2, 2]).tolist() == [0, 0, 0] and gated.caps([2, 1]).tolist() == [16, 4]
+    assert gated.caps_of([2, 2, 2]).tolist() == [0, 0, 0] and gated.caps_of([2, 1]).tolist() == [16, 4]
     with pytest.raises(ValueError, match="long"):
         ClassBudget(long=-1)
     with pytest.raises(ValueError, match="classes"):
-        cb.caps([3])
+        cb.caps_of([3])
 
 
-def test_speculation_scheduler_policies():
-    pred = LengthPredictor(16384, bounds=(2000, 8000))
-    for i in range(10):
-        pred.observe(f"short{i}", 1, [500] * 8)
-        pred.observe(f"long{i}", 1, [15000] * 8)
+def test_speculation_scheduler_budgets(length_history):
+    pred = length_history
     idx = pred.index(["short0", "long0", "short1", "long1"])
     g = np.zeros(4)
     zeros = np.zeros(4)
@@ -156,7 +152,7 @@ def test_speculation_scheduler_policies():
     assert SpeculationScheduler("fixed", max_draft=7).caps(idx, g, zeros, zeros, zeros).tolist() == [7] * 4
     with pytest.raises(ValueError, match="'unlimited' is now called 'fixed'"):
         SpeculationScheduler("unlimited")
-    with pytest.raises(ValueError, match="'cost' runs only in the proposer"):
+    with pytest.raises(ValueError, match="'cost' runs only in the proposer and simulator"):
         SpeculationScheduler("cost")
     cls = SpeculationScheduler("class", predictor=pred).caps(idx, g, zeros, zeros, zeros)
     assert cls.tolist() == [0, 16, 0, 16]
@@ -168,19 +164,16 @@ def test_speculation_scheduler_policies():
     n = np.arange(1, 100)
     unfitted.observe_step(n, C_BASE + C_TOK * n)
     assert unfitted.caps(idx, g, zeros, zeros, zeros)[1] > 0
-    with pytest.raises(ValueError, match="policy"):
+    with pytest.raises(ValueError, match="unknown budget 'fast'"):
         SpeculationScheduler("fast")
     with pytest.raises(ValueError, match="LengthPredictor"):
         SpeculationScheduler("class")
 
 
-def test_static_budgets_per_problem():
+def test_static_budgets_per_problem(length_history):
     from scheduler import static_budgets
 
-    pred = LengthPredictor(16384, bounds=(2000, 8000))
-    for i in range(10):
-        pred.observe(f"short{i}", 1, [500] * 8)
-        pred.observe(f"long{i}", 1, [15000] * 8)
+    pred = length_history
     ids = ["short0", "long0", "unseen"]
     assert static_budgets(ids, pred, "class").tolist()[:2] == [0, 16]
     assert static_budgets(ids, pred, "none").tolist() == [0, 0, 0]

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 
+from benchmarks._sim_budget import BUDGETS, make_sim_budget
 from benchmarks._sim_engine import EngineParams, Gpu, Requests, allot_drafts, roofline_time
 from benchmarks._sim_place import PLACEMENTS, assign
-from benchmarks._sim_policy import POLICIES, Unlimited, class_budgets
 from benchmarks._sim_workload import AcceptanceModel, LengthModel, Roofline, fit_length_model, fit_linear_cost, h100_7b_roofline
 from benchmarks.simulate import ci95, lower_bound_s, main, requests_factory, run_config, synthetic_workload
 
@@ -65,7 +65,7 @@ def _two_requests(kv_aware: bool):
         k=k, a=a, tau_tab=am.tau_table(k, a, 1, 16), tau_loop=am.loop_tau(16), nat_draft=3.7,
     )  # fmt: skip
     params = EngineParams(roof=TOY, max_draft=16, drafter_ms_per_256=0.0, max_tokens=64)
-    gpu = Gpu(0, req, np.arange(2), Unlimited(16, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
+    gpu = Gpu(0, req, np.arange(2), make_sim_budget("fixed", None, 16, {}, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
     gpu.run_until(0.022)  # step 1 (prefill of 200 tokens, compute-bound) ends at 21 ms, step 2 after it
     after_two = req.gen.copy()
     gpu.run_until()
@@ -95,6 +95,8 @@ def test_kv_unaware_drafts_preempt():
 
 
 def test_ci95_and_class_budgets():
+    from scheduler.class_budgets import class_budgets
+
     m, h = ci95([1.0, 2.0, 3.0])
     assert m == 2.0 and h == pytest.approx(4.303 / math.sqrt(3))
     assert ci95([5.0]) == (5.0, 0.0)
@@ -122,14 +124,15 @@ def small():
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
-@pytest.mark.parametrize("policy", POLICIES)
-def test_invariants(small, policy, placement):
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_invariants(small, budget, placement):
     work, params, lin = small
-    r = run_config(work, requests_factory(work, params), policy, placement, 2, params, lin, seed=1)
+    r = run_config(work, requests_factory(work, params), budget, placement, 2, params, lin, seed=1)
     assert r["tokens"] == pytest.approx(work["lengths"].sum())  # every token generated, none twice
-    assert r["makespan_s"] >= lower_bound_s(work, params, speculative=policy != "none") - 1e-9
+    drafts = r["drafted_per_token"] > 0
+    assert r["makespan_s"] >= lower_bound_s(work, params, speculative=drafts) - 1e-9
     assert r["accepted_per_token"] <= r["drafted_per_token"] + 1e-12
-    if policy == "none":
+    if budget == "none":
         assert r["drafted_per_token"] == 0
         assert r["makespan_s"] >= lower_bound_s(work, params, speculative=False)
 
@@ -182,13 +185,19 @@ def test_cli_writes_the_required_json_keys(tmp_path, capsys):
     main(["--prompts", "8", "--samples", "4", "--gpus", "2", "--max-tokens", "2048", "--seeds", "2", "--json", str(path), "--plot", "none",
           "--placements", "none,split"])
     data = json.loads(path.read_text())
-    keys = {p for p in POLICIES} | {f"{p}+split" for p in POLICIES}
+    keys = set(BUDGETS) | {f"{p}+split" for p in BUDGETS}
     assert set(data["paper_setting"]) == keys
     for k in keys:
         row = data["paper_setting"][k]
         assert row["makespan_s"] > 0 and row["makespan_s_ci95"] >= 0 and row["seeds"] == 2
         assert row["makespan_s"] == pytest.approx(np.mean(row["makespan_s_per_seed"]), abs=1e-3)
-    assert set(data["validation"]) == {"fig1_running_requests", "fig4_acceptance", "fig8_makespan", "fig10_unlimited_vs_length_aware"}
+    assert set(data["validation"]) == {"fig1_running_requests", "fig4_acceptance", "fig8_makespan", "fig10_unlimited_vs_length_aware", "shipped_vs_paper"}
+    from das.config import DASConfig
+
+    shipped = data["validation"]["shipped_vs_paper"]
+    assert data["shipped_budget"] == shipped["shipped"] == DASConfig().budget and shipped["other"] == "class-eq9"
+    assert shipped["shipped_cut_vs_other"] == pytest.approx(
+        np.mean(1 - np.array(data["paper_setting"][shipped["shipped"]]["makespan_s_per_seed"]) / data["paper_setting"]["class-eq9"]["makespan_s_per_seed"]))
     assert "makespan" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         main(["--gpus", "0", "--plot", "none"])
@@ -200,8 +209,8 @@ def test_sweep_point_pruning_matches_all_gpus():
     params = EngineParams(roof=h100_7b_roofline(), max_draft=16, max_tokens=2048)
     lin = fit_linear_cost(params.roof)
     am = AcceptanceModel()
-    pr = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, top=3, policies=("none", "class-roofline"))
-    full = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, policies=("none", "class-roofline"), all_gpus=True)
+    pr = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, top=3, budgets=("none", "class-roofline"))
+    full = run_point(32, 1, params, lin, am, seed=0, max_tokens=2048, budgets=("none", "class-roofline"), all_gpus=True)
     assert pr["simulated_gpus"] < 32
     for p in ("none", "class-roofline"):
         assert pr[p]["makespan_s"] == pytest.approx(full[p]["makespan_s"])
@@ -225,3 +234,20 @@ def test_trace_input(tmp_path):
     assert out["trace_setting"]["none"]["tokens"] == sum(len(r.output_ids) for r in rows if r.iteration == 2)
     ev = predictor_cli.main(["--trace", str(path), "--max-tokens", "512"])
     assert ev["checkpoints"]["0"]["predictor"]["n"] == 2 * 6 * 4
+
+
+def test_priced_budgets_draft_what_pays_at_the_simulated_price(small):
+    """``cost`` and ``makespan`` run in the simulator at the Eq. 1 line fitted offline (a draft
+    token costs a row's token), and with ``price="knee"`` at the roofline's own price (drafts free
+    below the knee): they draft less than ``fixed`` at the line, more where drafts are free."""
+    work, params, lin = small
+    fresh = requests_factory(work, params)
+    fixed = run_config(work, fresh, "fixed", "none", 2, params, lin, seed=1)
+    for budget in ("cost", "makespan"):
+        line = run_config(work, fresh, budget, "none", 2, params, lin, seed=1)
+        knee = run_config(work, fresh, budget, "none", 2, params, lin, seed=1, price="knee")
+        assert 0 < line["drafted_per_token"] < fixed["drafted_per_token"]
+        assert knee["drafted_per_token"] > line["drafted_per_token"]
+        assert knee["tokens"] == pytest.approx(work["lengths"].sum())
+    with pytest.raises(ValueError, match="price"):
+        run_config(work, fresh, "cost", "none", 2, params, lin, price="flat")

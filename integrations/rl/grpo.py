@@ -59,12 +59,12 @@ import numpy as np
 from integrations.rl.recipes import Recipe, load_recipe
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import release_engine_state
-from integrations.vllm_ext.timed_generate import Rollout, generate_rollouts
+from integrations.vllm_ext.timed_generate import generate_rollouts
 
 __all__ = [
     "group_advantages",
     "PolicyTrainer",
-    "LengthClassBudget",
+    "request_caps",
     "GRPOResult",
     "release_engine_state",
     "run",
@@ -264,38 +264,18 @@ class _nullcontext:
 # length-aware per-request budget
 
 
-class LengthClassBudget:
-    """Per-problem ``das_max_draft_tokens`` from the problem's length class (the DAS deployed policy, at submission).
+def request_caps(rec: Recipe, budget: str | None = None) -> Any:
+    """The per-request draft caps of the recipe's ``scheduler.budget`` (or of ``budget``): a
+    :class:`scheduler.speculation.RequestCaps` (``caps(problem_ids)`` before a step,
+    ``observe(version, problem_ids, lengths)`` after it), or None: no per-request caps."""
+    name = rec.scheduler.budget if budget is None else budget
+    if name is None:
+        return None
+    from scheduler.speculation import RequestCaps
 
-    After each step the rollout lengths are recorded (:class:`scheduler.predictor.LengthPredictor`);
-    before the next, every problem gets the cap of its majority class among its past rollouts
-    (:class:`scheduler.budget.ClassBudget`: Long large, Medium small, Short none). Problems never
-    seen get the most common class. The run-time class update (as a rollout grows past its class)
-    needs the proposer to consult the scheduler each step, which it does not yet; this is the
-    static half.
-    """
-
-    def __init__(self, max_tokens: int, cfg: Any):
-        from scheduler.budget import ClassBudget
-        from scheduler.predictor import LengthPredictor
-
-        self.predictor = LengthPredictor(int(max_tokens), window=int(cfg.window))
-        self.budget = ClassBudget(long=int(cfg.long), medium=int(cfg.medium), short=int(cfg.short))
-        self.seen = 0
-
-    def caps(self, problem_ids: Sequence[str]) -> list[int | None]:
-        if self.seen == 0:
-            return [None] * len(problem_ids)  # no history: no cap
-        idx = self.predictor.index(list(problem_ids))
-        return [int(c) for c in self.budget.caps(self.predictor.initial_class(idx))]
-
-    def observe(self, version: int, rollouts: Sequence[Rollout]) -> None:
-        by: dict[str, list[int]] = {}
-        for r in rollouts:
-            by.setdefault(r.problem_id, []).append(len(r.output_ids))
-        for pid, lengths in by.items():
-            self.predictor.observe(pid, int(version), lengths)
-        self.seen += len(rollouts)
+    s = rec.scheduler
+    return RequestCaps(name, max_tokens=rec.rollout.max_tokens, max_draft=rec.speculative.num_speculative_tokens or 16, window=s.window,
+                       long=s.long, medium=s.medium, short=s.short)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -379,7 +359,7 @@ def run(
     llm = make_llm(model_dir, spec.method, num_speculative_tokens=spec.num_speculative_tokens if spec.method != "none" else None,
                    das_config=dict(spec.das) if das else None, dtype=rec.rollout.dtype, max_model_len=rec.rollout.max_model_len, seed=rec.seed)
     trainer = PolicyTrainer(model_dir, rec.train, seed=rec.seed)
-    budget = LengthClassBudget(rec.rollout.max_tokens, rec.scheduler) if rec.scheduler.policy == "class" else None
+    budget = request_caps(rec)
     log_f = None
     if log_path is not None:  # streamed to <log>.partial, moved over <log> when the run completes
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -426,7 +406,7 @@ def run(
             if das:
                 control.begin_iteration(llm, version)
             if budget is not None:
-                budget.observe(version - 1, batch.rollouts)
+                budget.observe(version - 1, [r.problem_id for r in batch.rollouts], [len(r.output_ids) for r in batch.rollouts])
             if weights_hook is not None:
                 weights_hook(version, trainer.model)
             t_end = time.perf_counter()

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 from das.config import DEFAULTS, SHOWN_KEYS, das_config
+from scheduler import budgets
 
 __all__ = [
     "RECIPES_DIR",
@@ -111,7 +112,7 @@ class SpeculativeSection:
 
 @dataclasses.dataclass
 class SchedulerSection:
-    policy: str = "none"  # none | class: per-request das_max_draft_tokens from the problem's length class
+    budget: str | None = None  # null: no per-request caps | class: das_max_draft_tokens from the problem's length class (scheduler.budgets, grpo)
     long: int = 16
     medium: int = 4
     short: int = 0
@@ -197,7 +198,7 @@ class Recipe:
              f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
             (s.method in METHODS, f"speculative.method must be one of {list(METHODS)}, got {s.method!r}"),
             (s.method == "none" or s.num_speculative_tokens is not None, f"speculative.num_speculative_tokens is needed for method {s.method!r}"),
-            (self.scheduler.policy == "none" or s.method == "das", "scheduler.policy 'class' needs speculative.method 'das'"),
+            (self.scheduler.budget is None or s.method == "das", f"scheduler.budget {self.scheduler.budget!r} needs speculative.method 'das'"),
             (self.reward.overlong_buffer < r.max_tokens,
              f"reward.overlong_buffer ({self.reward.overlong_buffer}) must be < rollout.max_tokens ({r.max_tokens})"),
             (self.reward.sandbox != "none" or self.reward.network == "allow",
@@ -207,7 +208,12 @@ class Recipe:
         if bad:
             raise ValueError("bad recipe: " + "; ".join(bad))
         if s.method == "das":
-            try:  # the one schema of the DAS settings: unknown keys, types, ranges, budget names
+            try:  # the one schema of the DAS settings: unknown keys, types, ranges; the budget's name in the registry
+                if isinstance(s.das, Mapping) and "budget" in s.das:
+                    try:
+                        budgets.resolve(s.das["budget"], "proposer")
+                    except ValueError as exc:
+                        raise ValueError(f"speculative.das.budget: {exc}") from None
                 das_config(s.das, where="speculative.das", name=lambda k: f"speculative.das.{k}")
             except ValueError as exc:
                 raise ValueError(f"bad recipe: {exc}") from None
@@ -240,7 +246,7 @@ _RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("speculative", "method"): (lambda v: isinstance(v, str), "a string"),
     ("speculative", "num_speculative_tokens"): (lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
     ("speculative", "das"): (lambda v: isinstance(v, dict), "a mapping"),
-    ("scheduler", "policy"): (lambda v: v in ("none", "class"), "'none' or 'class'"),
+    ("scheduler", "budget"): (lambda v: v is None or v in budgets.names("grpo"), f"null or one of {list(budgets.names('grpo'))}"),
     ("scheduler", "long"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
     ("scheduler", "medium"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
     ("scheduler", "short"): (lambda v: _is_int(v) and v >= 0, "an int >= 0"),
@@ -335,6 +341,9 @@ def _build(cls: type, data: Mapping[str, Any], where: str):
     if not isinstance(data, Mapping):
         raise ValueError(f"{where}: expected a mapping, got {type(data).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    for k in data:
+        if (cls, k) in _RENAMED_KEYS:
+            raise ValueError(f"{where}.{k}: {_RENAMED_KEYS[cls, k]}")
     unknown = sorted(set(data) - set(fields))
     if unknown:
         raise ValueError(f"{where}: unknown keys {unknown}; expected some of {sorted(fields)}")
@@ -347,6 +356,9 @@ def _build(cls: type, data: Mapping[str, Any], where: str):
         obj.betas = tuple(obj.betas)
     return obj
 
+
+# Keys that were renamed: refused with what to write instead.
+_RENAMED_KEYS = {(SchedulerSection, "policy"): "is now scheduler.budget (null for the old 'none': no per-request caps; 'class' as before)"}
 
 _SUB = {(Recipe, "rollout"): RolloutSection, (Recipe, "speculative"): SpeculativeSection, (Recipe, "scheduler"): SchedulerSection,
         (Recipe, "reward"): RewardSection, (Recipe, "train"): TrainSection, (Recipe, "log"): LogSection}

@@ -1,15 +1,29 @@
-"""Per-step draft selection under the linear step-cost model."""
+"""Per-step draft selection at a step price (scheduler.draft_selection), as hypothesis properties."""
+
+import itertools
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from scheduler.step_policy import select_drafts
+from scheduler.calibration import AcceptanceCalibration
+from scheduler.draft_selection import (
+    choose_drafts,
+    cut_kept_the_same,
+    keep_bound,
+    keep_bounds,
+    never_kept_below,
+    raw_cutoff,
+    raw_cutoffs,
+    select_drafts,
+)
+
+SEEDS = st.integers(0, 2**32 - 1)
 
 
 def brute_force_best(path_probs, c_base, c_tok):
     """Try every per-row prefix combination (small cases) and return the best expected rate."""
-    import itertools
-
     rows = len(path_probs)
     best = rows / (c_base + c_tok * rows)
     for keep in itertools.product(*[range(len(p) + 1) for p in path_probs]):
@@ -18,15 +32,40 @@ def brute_force_best(path_probs, c_base, c_tok):
     return best
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_selection_is_optimal_among_all_prefix_choices(seed):
-    rng = np.random.default_rng(seed)
-    probs = [np.sort(rng.uniform(0, 1, rng.integers(0, 4)))[::-1].cumprod() for _ in range(rng.integers(1, 4))]
-    c_base, c_tok = rng.uniform(0.001, 0.05), rng.uniform(0.0001, 0.01)
+@st.composite
+def small_rows(draw):
+    """1-3 rows of 0-3 non-increasing path probabilities each."""
+    rows = draw(st.integers(1, 3))
+    out = []
+    for _ in range(rows):
+        p = draw(st.lists(st.floats(0.0, 1.0), min_size=0, max_size=3))
+        out.append(np.cumprod(np.sort(np.array(p, np.float64))[::-1]))
+    return out
+
+
+@settings(max_examples=100, deadline=None)
+@given(small_rows(), st.floats(0.001, 0.05), st.floats(0.0001, 0.01))
+def test_selection_is_optimal_among_all_prefix_choices(probs, c_base, c_tok):
     keep = select_drafts(probs, c_base, c_tok)
     rows = len(probs)
     rate = (rows + sum(float(np.sum(p[:k])) for p, k in zip(probs, keep))) / (c_base + c_tok * (rows + keep.sum()))
     assert rate == pytest.approx(brute_force_best(probs, c_base, c_tok))
+
+
+@settings(max_examples=100, deadline=None)
+@given(small_rows(), st.floats(0.005, 0.05), st.floats(0.0, 0.01), st.floats(0.0001, 0.01), st.floats(0.0, 4.0))
+def test_a_free_region_below_a_knee_keeps_the_best_prefixes_at_that_price(probs, plain, extra, per_draft, free):
+    """With ``free_drafts`` (a step flat below a knee) the selection still maximises the rate
+    ``(B + sum p) / (spec + per_draft * max(m - free, 0))`` over every prefix choice."""
+    def rate(keep):
+        m = sum(keep)
+        if m == 0:
+            return len(probs) / plain
+        return (len(probs) + sum(float(np.sum(p[:k])) for p, k in zip(probs, keep))) / (plain + extra + per_draft * max(m - free, 0.0))
+
+    keep = choose_drafts(probs, plain, plain + extra, per_draft, free_drafts=free)
+    best = max(rate(k) for k in itertools.product(*[range(len(p) + 1) for p in probs]))
+    assert rate(keep.tolist()) == pytest.approx(best)
 
 
 def test_large_batches_draft_less_than_small_ones():
@@ -42,15 +81,15 @@ def test_bad_costs_are_named():
         select_drafts([np.ones(1)], 0.0, 0.1)
     with pytest.raises(ValueError, match="c_tok"):
         select_drafts([np.ones(1)], 0.1, -1.0)
+    with pytest.raises(ValueError, match="free_drafts"):
+        choose_drafts([np.ones(1)], 0.1, 0.1, 0.01, free_drafts=-1.0)
 
 
-
-@pytest.mark.parametrize("seed", range(6))
+@settings(max_examples=50, deadline=None)
+@given(SEEDS)
 def test_a_draft_matrix_chooses_what_the_per_row_list_chooses(seed):
     """The batched proposer hands the drafter's ``[rows, K]`` output with its lengths (no per-row
     arrays); both forms keep the same tokens, for the throughput and the saving rule."""
-    from scheduler.step_policy import choose_drafts
-
     rng = np.random.default_rng(seed)
     rows, k = 40, 8
     lengths = rng.integers(0, k + 1, rows)
@@ -67,56 +106,58 @@ def test_a_draft_matrix_chooses_what_the_per_row_list_chooses(seed):
         want = choose_drafts(per_row, 0.05, 0.051, 0.0002, cal, **kw)
         got = choose_drafts(matrix, 0.05, 0.051, 0.0002, cal, lengths=lengths, **kw)
         assert got.dtype == np.int64 and got.tolist() == want.tolist()
-        assert want.sum() > 0 and np.all(got <= lengths)
+        assert np.all(got <= lengths)
     with pytest.raises(ValueError, match="lengths"):
         choose_drafts(matrix, 0.05, 0.052, 0.001, lengths=lengths + k)
 
 
-def _random_step(rng):
+def _step_of_seed(seed: int):
     """A step's drafts as the drafter returns them (float64 path probabilities, non-increasing
-    per row) and the proposer's inputs to the selection: prices, per-row calibration, a learned
-    calibration curve and, half the time, per-row values (the saving rule)."""
-    from scheduler.calibration import AcceptanceCalibration
-
+    per row) and the proposer's inputs to the selection: prices (a speculative step dearer or
+    cheaper than a plain one), per-row calibration, a learned calibration curve and, half the
+    time, per-row values (the saving rule)."""
+    rng = np.random.default_rng(seed)
     rows, k = int(rng.integers(1, 48)), int(rng.integers(1, 17))
     lengths = rng.integers(0, k + 1, rows)
     p64 = np.zeros((rows, k))
     for r in range(rows):
         p64[r, : lengths[r]] = np.cumprod(rng.uniform(0.2, 0.998, lengths[r]))
     plain = rng.uniform(0.005, 0.05)
-    spec = plain * rng.uniform(0.7, 1.5)  # a speculative step may cost less or more than a plain one
-    per_draft = plain / rows * rng.uniform(0.0, 3.0)
+    prices = (plain, plain * rng.uniform(0.7, 1.5), plain / rows * rng.uniform(0.0, 3.0))
     cal = rng.uniform(0.3, 1.6, rows)
     acc = AcceptanceCalibration()
     seen = rng.uniform(0, 1, 400)
     acc.observe(seen, rng.uniform(0, 1, 400) < seen * rng.uniform(0.5, 1.5))
     values = rng.uniform(0.0, plain / rows * 4, rows) if rng.uniform() < 0.5 else None
-    return p64, lengths, (plain, spec, per_draft), cal, acc, values
+    return p64, lengths, prices, cal, acc, values
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_drafts_cut_at_never_kept_below_keep_the_same_tokens(seed):
+STEPS = SEEDS.map(_step_of_seed)
+
+
+def _drafted_down_to(p64, lengths, cuts):
+    """The drafter's stop rule: each row keeps its tokens at or above its cutoff."""
+    cuts = np.broadcast_to(np.asarray(cuts, np.float64), lengths.shape)
+    return np.array([int(np.sum(p64[r, : lengths[r]] >= cuts[r])) for r in range(lengths.shape[0])])
+
+
+@settings(max_examples=300, deadline=None)
+@given(STEPS)
+def test_drafts_cut_at_never_kept_below_keep_the_same_tokens(step):
     """A drafter that stops at :func:`never_kept_below`'s probability loses only tokens that the
     selection would have thrown away: the step keeps the same tokens, on every rule, with
     speculative steps cheaper or dearer than plain ones, and the drafts handed over as float32."""
-    from scheduler.step_policy import choose_drafts, never_kept_below
-
-    rng = np.random.default_rng(seed)
-    p64, lengths, prices, cal, acc, values = _random_step(rng)
-    rows = lengths.shape[0]
-    cut = never_kept_below(rows, *prices, cal, acc.curve(), values)
+    p64, lengths, prices, cal, acc, values = step
+    cut = never_kept_below(lengths.shape[0], *prices, cal, acc.curve(), values)
     assert 0.0 <= cut <= 1.0
-    short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(rows)])  # the drafter's stop rule
+    short = _drafted_down_to(p64, lengths, cut)
     p32 = p64.astype(np.float32)
     full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
-    cut_short = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=short)
-    assert cut_short.tolist() == full.tolist()
+    assert choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=short).tolist() == full.tolist()
     assert np.all(full <= short)
 
 
 def test_never_kept_below_rises_with_the_price_of_a_draft_token():
-    from scheduler.step_policy import never_kept_below
-
     cuts = [never_kept_below(64, 0.05, 0.05, c) for c in (0.0, 0.0001, 0.0003, 0.0006)]
     assert cuts[0] == 0.0 and cuts == sorted(cuts) and cuts[-1] < 1.0
     assert cuts[2] == pytest.approx(64 * 0.0003 / 0.05, rel=1e-5)  # identity map: theta itself
@@ -130,37 +171,31 @@ def test_never_kept_below_rises_with_the_price_of_a_draft_token():
         never_kept_below(4, 0.05, 0.05, 0.001, calibration=np.array([-1.0, 1.0]))
 
 
-def test_the_random_steps_above_cut_drafts_that_the_selection_keeps_some_of():
-    """The equality test above means something only where the cut drops tokens from steps that
-    keep some: most of its random steps are of that kind."""
-    from scheduler.step_policy import choose_drafts, never_kept_below
-
+def test_the_random_steps_cut_drafts_that_the_selection_keeps_some_of():
+    """The equality properties mean something only where the cut drops tokens from steps that
+    keep some: most random steps are of that kind."""
     both = 0
     for seed in range(300):
-        p64, lengths, prices, cal, acc, values = _random_step(np.random.default_rng(seed))
+        p64, lengths, prices, cal, acc, values = _step_of_seed(seed)
         cut = never_kept_below(lengths.shape[0], *prices, cal, acc.curve(), values)
-        short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(lengths.shape[0])])
+        short = _drafted_down_to(p64, lengths, cut)
         kept = choose_drafts(p64.astype(np.float32), *prices, cal, prob_map=acc, values=values, lengths=lengths)
         both += bool(short.sum() < lengths.sum() and kept.sum() > 0)
     assert both >= 75
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_drafts_cut_at_a_guess_keep_the_same_tokens_whenever_the_check_says_so(seed):
+@settings(max_examples=300, deadline=None)
+@given(STEPS, st.floats(1.0, 4.0), st.floats(0.0, 1.0))
+def test_drafts_cut_at_a_guess_keep_the_same_tokens_whenever_the_check_says_so(step, above, anywhere):
     """A guess above :func:`keep_bound` (the last step's keep threshold, say) cuts more; the
     selection's ``peak`` then says whether the cut drafts kept what the full ones keep, and
     when it says so they do (per-row calibration, a learned map, float32 drafts)."""
-    from scheduler.step_policy import choose_drafts, cut_kept_the_same, keep_bound, raw_cutoff
-
-    rng = np.random.default_rng(seed)
-    p64, lengths, prices, cal, acc, _ = _random_step(rng)
-    rows = lengths.shape[0]
-    bound = keep_bound(rows, *prices)
+    p64, lengths, prices, cal, acc, _ = step
+    bound = keep_bound(lengths.shape[0], *prices)
     p32 = p64.astype(np.float32)
     full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths)
-    for theta in (bound * rng.uniform(1.0, 4.0), rng.uniform(0.0, 1.0)):
-        cut = raw_cutoff(theta, cal, acc.curve())
-        short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(rows)])
+    for theta in (bound * above, anywhere):
+        short = _drafted_down_to(p64, lengths, raw_cutoff(theta, cal, acc.curve()))
         peak = {}
         kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
         if cut_kept_the_same(theta, bound, prices[2], peak):
@@ -168,20 +203,15 @@ def test_drafts_cut_at_a_guess_keep_the_same_tokens_whenever_the_check_says_so(s
 
 
 def test_the_guess_check_passes_often_and_refuses_when_the_cut_lost_kept_tokens():
-    from scheduler.step_policy import choose_drafts, cut_kept_the_same, keep_bound, raw_cutoff
-
     passed = refused_right = lost = 0
     for seed in range(300):
-        rng = np.random.default_rng(seed)
-        p64, lengths, prices, cal, acc, _ = _random_step(rng)
-        rows = lengths.shape[0]
-        bound = keep_bound(rows, *prices)
+        p64, lengths, prices, cal, acc, _ = _step_of_seed(seed)
+        bound = keep_bound(lengths.shape[0], *prices)
         p32 = p64.astype(np.float32)
         whole = {}
         full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths, peak=whole)
         theta = max(bound, 0.9 * prices[2] * whole["rate"])  # a guess near the keep threshold, as the last step's
-        cut = raw_cutoff(theta, cal, acc.curve())
-        short = np.array([int(np.sum(p64[r, : lengths[r]] >= cut)) for r in range(rows)])
+        short = _drafted_down_to(p64, lengths, raw_cutoff(theta, cal, acc.curve()))
         peak = {}
         kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
         ok = cut_kept_the_same(theta, bound, prices[2], peak)
@@ -192,29 +222,24 @@ def test_the_guess_check_passes_often_and_refuses_when_the_cut_lost_kept_tokens(
     assert passed >= 40 and lost > 0 and refused_right == lost
 
 
-@pytest.mark.parametrize("seed", range(300))
-def test_drafts_cut_per_row_keep_the_same_tokens(seed):
+@settings(max_examples=300, deadline=None)
+@given(STEPS)
+def test_drafts_cut_per_row_keep_the_same_tokens(step):
     """Each row cut at its own :func:`raw_cutoffs` (its own calibration factor; under the saving
     rule its own value too) keeps what the full drafts keep, and cuts at least as much as the one
     cutoff of the largest factor."""
-    from scheduler.step_policy import choose_drafts, keep_bounds, never_kept_below, raw_cutoffs
-
-    rng = np.random.default_rng(seed)
-    p64, lengths, prices, cal, acc, values = _random_step(rng)
+    p64, lengths, prices, cal, acc, values = step
     rows = lengths.shape[0]
     cuts = raw_cutoffs(keep_bounds(rows, *prices, values), cal, acc.curve())
     assert cuts.shape == (rows,) and np.all((cuts >= 0) & (cuts <= 1))
     assert np.all(cuts >= never_kept_below(rows, *prices, cal, acc.curve(), values) - 1e-12)
-    short = np.array([int(np.sum(p64[r, : lengths[r]] >= cuts[r])) for r in range(rows)])
+    short = _drafted_down_to(p64, lengths, cuts)
     p32 = p64.astype(np.float32)
     full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
     assert choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=short).tolist() == full.tolist()
 
 
 def test_raw_cutoffs_invert_the_calibration_row_by_row():
-    from scheduler.calibration import AcceptanceCalibration
-    from scheduler.step_policy import raw_cutoff, raw_cutoffs
-
     acc = AcceptanceCalibration()
     acc.observe(np.linspace(0.05, 0.95, 200), np.arange(200) % 3 != 0)
     cal = np.array([0.5, 1.0, 2.0, 0.0])

@@ -1,4 +1,4 @@
-"""Per-step draft selection that maximises expected throughput under the linear step-cost model.
+"""Per-step draft selection: which draft tokens pay for their verification under a step price.
 
 A verification step over ``B`` rows carrying ``D`` draft tokens costs
 ``t = c_base + c_tok * (B + D)`` seconds (DAS Eq. 1) and yields ``B + A`` tokens, where ``A`` is the
@@ -14,6 +14,12 @@ nothing; in the long tail (few rows, ``c_base`` dominant) it drafts freely. This
 half of the DAS budget (Eq. 7 spreads drafts over requests by length; this decides how much a
 given step can afford) and it is what makes speculation never cost more than it saves, within the
 model's accuracy.
+
+The price is :class:`scheduler.step_price.LinearPrice` (its three numbers are the ``plain_s``,
+``spec_base_s`` and ``per_draft_s`` arguments below). ``free_drafts`` prices the first that many
+draft tokens of a step at nothing (a step whose cost is flat below a knee, as a memory-bound GPU
+step is); 0 (the linear price) leaves every function exactly as without it. The cut helpers
+(:func:`keep_bound`) are conservative there: they cut nothing.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, cal
 
 def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spec_base_s: float, per_draft_s: float,
                   calibration: float | np.ndarray = 1.0, prob_map: Callable[[np.ndarray], np.ndarray] | None = None,
-                  values: np.ndarray | None = None, lengths: np.ndarray | None = None, peak: dict | None = None) -> np.ndarray:
+                  values: np.ndarray | None = None, lengths: np.ndarray | None = None, peak: dict | None = None,
+                  free_drafts: float = 0.0) -> np.ndarray:
     """Throughput-optimal draft tokens per row when plain and speculative steps are priced apart.
 
     A step over ``B`` rows costs ``plain_s`` seconds without drafts and
@@ -84,6 +91,8 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
             (the calibrated probability of the last of them) and ``drafted`` (all draft tokens
             given); ``tokens`` 0 when none were given. It tells
             whether drafts cut short kept what longer ones would (:func:`cut_kept_the_same`).
+        free_drafts: draft tokens per step priced at nothing (>= 0; the knee of a flat step
+            price): ``m`` draft tokens cost ``spec_base_s + per_draft_s * max(m - free_drafts, 0)``.
 
     Returns:
         int64 ``[rows]``: leading draft tokens to keep per row.
@@ -96,6 +105,8 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
         raise ValueError(f"plain_s and spec_base_s must be > 0 seconds, got {plain_s!r}, {spec_base_s!r}")
     if not per_draft_s >= 0:
         raise ValueError(f"per_draft_s must be >= 0 seconds per token, got {per_draft_s!r}")
+    if not free_drafts >= 0:
+        raise ValueError(f"free_drafts must be >= 0 draft tokens, got {free_drafts!r}")
     cal = np.asarray(calibration, np.float64)
     if np.any(cal < 0) or np.any(~np.isfinite(cal)):
         raise ValueError(f"calibration must be finite and >= 0, got {calibration!r}")
@@ -128,14 +139,16 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
             raise ValueError(f"values must be {rows} finite seconds >= 0 (one per row), got shape {v.shape}")
         saving = probs * v[owner]
         order = np.argsort(-saving, kind="stable")
-        net = np.cumsum(saving[order] - per_draft_s) - max(spec_base_s - plain_s, 0.0)
+        priced = per_draft_s * (np.arange(len(order)) >= free_drafts) if free_drafts else per_draft_s
+        net = np.cumsum(saving[order] - priced) - max(spec_base_s - plain_s, 0.0)
         best = int(np.argmax(net))
         if net[best] <= 0:
             return keep
         return np.bincount(owner[order[: best + 1]], minlength=rows).astype(np.int64)
     order = np.argsort(-probs, kind="stable")
     gain = rows + np.cumsum(probs[order])  # expected tokens with the top m+1 drafts
-    rate = gain / (spec_base_s + per_draft_s * np.arange(1, len(order) + 1))
+    m = np.arange(1, len(order) + 1)
+    rate = gain / (spec_base_s + per_draft_s * (np.maximum(m - free_drafts, 0.0) if free_drafts else m))
     best = int(np.argmax(rate))
     if peak is not None:
         peak.update(tokens=best + 1, rate=float(rate[best]), floor=float(probs[order[best]]))

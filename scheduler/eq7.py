@@ -1,15 +1,10 @@
-"""Speculation budgets: per request and per engine step, in draft tokens.
+"""DAS's cost-model budget, Eq. 2-9 (arXiv 2511.13841): per-request draft rates from remaining lengths.
 
-Two policies, both returning one int cap per running request for the current engine step (the
-most draft tokens the proposer may offer that row; 0 = do not draft; the vLLM proposer takes it
-as ``SamplingParams.extra_args["das_max_draft_tokens"]`` or directly per row):
-
-* :class:`ClassBudget`: the deployed DAS policy: Long gets a large budget, Medium a smaller one,
-  Short none (classes from :class:`scheduler.predictor.LengthPredictor`).
-* :class:`Eq7Budget`: the cost-model policy of DAS (arXiv 2511.13841, Eq. 2-9), planned over the
-  requests' remaining lengths with ``t_step = c_base + c_tok * n_tokens`` fitted online
-  (:class:`scheduler.cost_model.CostModel`) and per-request acceptance parameters ``k_i, a_i``
-  (Eq. 3, :mod:`scheduler.acceptance`).
+:class:`Eq7Solver` plans, over the requests' remaining lengths, with ``t_step = c_base + c_tok *
+n_tokens`` fitted online (:class:`scheduler.cost_model.CostModel`) and per-request acceptance
+parameters ``k_i, a_i`` (Eq. 3, :mod:`scheduler.acceptance`), one int draft cap per running request
+for the current engine step. :class:`Eq7Budget` is the ``eq7`` speculation budget
+(:mod:`scheduler.budget_protocol`) around it.
 
 The plan (:func:`solve_n_fwd`, :func:`optimal_proposals`). Total time (Eq. 2) is
 ``c_base * N_fwd + c_tok * N_toks`` with ``N_fwd = max_i N_i`` (Eq. 4). For a target ``N``, each
@@ -53,46 +48,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from scheduler.acceptance import tokens_per_step
+from scheduler.acceptance import DEFAULT_A, DEFAULT_K, estimate_acceptance, tokens_per_step
+from scheduler.budget_protocol import Budget, StepView
 from scheduler.cost_model import CostModel
+from scheduler.predictor import LengthPredictor
 
-__all__ = ["ClassBudget", "Eq7Budget", "Eq7Plan", "solve_n_fwd", "optimal_proposals", "round_caps", "step_saves_time"]
+__all__ = ["Eq7Budget", "Eq7Plan", "Eq7Solver", "solve_n_fwd", "optimal_proposals", "round_caps", "step_saves_time"]
 
 
 def _check_max_draft(max_draft: int) -> int:
     if not isinstance(max_draft, (int, np.integer)) or max_draft < 0:
         raise ValueError(f"max_draft must be an int >= 0 (draft tokens per step), got {max_draft!r}")
     return int(max_draft)
-
-
-class ClassBudget:
-    """Per-class draft caps (DAS deployed policy): Long large, Medium smaller, Short none.
-
-    Args:
-        long, medium, short: draft tokens per step for each class (ints >= 0).
-        max_running: optional batch gate: no drafts in a step with more than this many running
-            requests (the authors' public fork drafts only below 64 running requests).
-    """
-
-    def __init__(self, long: int = 16, medium: int = 4, short: int = 0, *, max_running: int | None = None):
-        for name, v in (("long", long), ("medium", medium), ("short", short)):
-            if not isinstance(v, (int, np.integer)) or v < 0:
-                raise ValueError(f"ClassBudget {name} must be an int >= 0, got {v!r}")
-        if max_running is not None and (not isinstance(max_running, (int, np.integer)) or max_running < 0):
-            raise ValueError(f"max_running must be None or an int >= 0, got {max_running!r}")
-        self.table = np.array([short, medium, long], dtype=np.int32)
-        self.max_running = max_running
-
-    def caps(self, classes, running: int | None = None) -> np.ndarray:
-        """Caps for ``classes`` (int array, 0 Short / 1 Medium / 2 Long) -> int32 array; all 0
-        when ``running`` (default ``len(classes)``) exceeds ``max_running``."""
-        c = np.asarray(classes, np.int64)
-        if np.any((c < 0) | (c > 2)):
-            raise ValueError(f"classes must be 0 (Short), 1 (Medium) or 2 (Long), got {np.unique(c[(c < 0) | (c > 2)])}")
-        n = c.size if running is None else int(running)
-        if self.max_running is not None and n > self.max_running:
-            return np.zeros(c.shape, np.int32)
-        return self.table[c]
 
 
 def _excess(n: np.ndarray, r, k, a, u, c_req_over_tok, form: str) -> np.ndarray:
@@ -236,8 +203,8 @@ class Eq7Plan:
     step_rule_fired: bool
 
 
-class Eq7Budget:
-    """Cost-model speculation budgets (DAS Eq. 7 with Eq. 9), per request and step.
+class Eq7Solver:
+    """Cost-model draft caps (DAS Eq. 7 with Eq. 9), per request and step.
 
     Args:
         cost: the online :class:`CostModel`; while ``cost.ready`` is False every cap is 0.
@@ -259,8 +226,8 @@ class Eq7Budget:
         self.rng = np.random.default_rng(seed) if seed is not None else None
         self.last_plan: Eq7Plan | None = None
 
-    def plan(self, remaining, k, a, *, fixed_cost_s: float | None = None, per_request_cost_s=None) -> Eq7Plan:
-        """Plan budgets for running requests.
+    def solve(self, remaining, k, a, *, fixed_cost_s: float | None = None, per_request_cost_s=None) -> Eq7Plan:
+        """Plan draft caps for running requests.
 
         Args:
             remaining: float array ``[B]``, predicted remaining output tokens of each running
@@ -327,5 +294,78 @@ class Eq7Budget:
         return self.last_plan
 
     def caps(self, remaining, k, a, *, fixed_cost_s: float | None = None, per_request_cost_s=None) -> np.ndarray:
-        """int32 draft caps ``[B]`` for this step (see :meth:`plan`)."""
-        return self.plan(remaining, k, a, fixed_cost_s=fixed_cost_s, per_request_cost_s=per_request_cost_s).caps
+        """int32 draft caps ``[B]`` for this step (see :meth:`solve`)."""
+        return self.solve(remaining, k, a, fixed_cost_s=fixed_cost_s, per_request_cost_s=per_request_cost_s).caps
+
+
+class Eq7Budget(Budget):
+    """``eq7``: DAS Eq. 7 / Eq. 9 per request (:class:`Eq7Solver`) on the length predictor's
+    expected remaining length, per-request acceptance estimates (:func:`estimate_acceptance`, Eq. 3)
+    and the host's online :class:`CostModel`.
+
+    Args:
+        cost: the online step-cost fit (default: an unfitted ``CostModel()``); the host feeds it.
+        max_draft: K, the most draft tokens per row and step.
+        k_prior, a_prior, prior_steps: the Eq. 3 acceptance prior and its weight in steps.
+        form, step_rule, seed: :class:`Eq7Solver`'s.
+        draft_while_unfitted: while ``cost`` is not fitted, leave the rows' own caps (True: the
+            drafts spread the step sizes the fit needs) instead of drafting nothing (False).
+    """
+
+    name = "eq7"
+    summary = "DAS Eq. 7 / Eq. 9 per request: predicted remaining length, per-request acceptance estimates and the online cost model"
+    runs_in = frozenset({"proposer", "scheduler", "simulator"})
+    uses_cost_fit = True
+    length_aware = True
+
+    def __init__(self, cost: CostModel | None = None, *, max_draft: int = 16, k_prior: float = DEFAULT_K, a_prior: float = DEFAULT_A,
+                 prior_steps: float = 32.0, form: str = "exact", step_rule: bool = True, seed: int | None = 0,
+                 draft_while_unfitted: bool = False):
+        self.cost = cost if cost is not None else CostModel()
+        self.solver = Eq7Solver(self.cost, max_draft=max_draft, form=form, step_rule=step_rule, seed=seed)
+        self.max_draft = self.solver.max_draft
+        self.k_prior, self.a_prior, self.prior_steps = k_prior, a_prior, prior_steps
+        self.draft_while_unfitted = bool(draft_while_unfitted)
+
+    def plan(self, step: StepView) -> np.ndarray:
+        caps = step.caps.copy()
+        if not step.live.any():
+            return caps
+        f = step.facts
+        if self.draft_while_unfitted and not self.cost.ready:
+            return caps
+        remaining = step.remaining()
+        k, a = f.k, f.a
+        if k is None or a is None:
+            k_est, a_est = estimate_acceptance(f.drafted, f.accepted, f.steps, self.k_prior, self.a_prior, self.prior_steps)
+            k = k_est if k is None else k
+            a = a_est if a is None else a
+        per_req = None
+        if self.cost.ready and self.cost.use_context and f.context is not None:
+            per_req = self.cost.c_ctx * (np.asarray(f.context, np.float64) + 0.5 * remaining)
+        got = self.solver.caps(remaining, np.asarray(k, np.float64), np.asarray(a, np.float64), per_request_cost_s=per_req)
+        rows = step.live_rows
+        caps[rows] = np.minimum(caps[rows], got)
+        return caps
+
+    def priority(self, step: StepView) -> np.ndarray:
+        """Longest predicted remaining length first."""
+        return step.live_rows[np.argsort(-step.remaining(), kind="stable")]
+
+    def request_caps(self, predictor: LengthPredictor, problem_idx: np.ndarray, samples_per_problem: int = 1) -> np.ndarray:
+        """The Eq. 7 rate planned at the start of the iteration over every request
+        (``samples_per_problem`` per problem, predicted length = the problem's expected length,
+        prior acceptance), rounded up; all 0 while the cost model is not fitted."""
+        idx = np.asarray(problem_idx, np.int64)
+        n = idx.size
+        if not self.cost.ready:
+            return np.zeros(n, np.int32)
+        total = predictor.predict(idx, np.zeros(n)).expected_total
+        r = np.repeat(total, samples_per_problem)
+        solver = Eq7Solver(self.cost, max_draft=self.max_draft, form=self.solver.form, step_rule=False, seed=None)
+        plan = solver.solve(r, np.full(r.size, self.k_prior), np.full(r.size, self.a_prior))
+        rate = plan.rate.reshape(n, samples_per_problem).max(axis=1)
+        return np.minimum(np.ceil(rate), self.max_draft).astype(np.int32)
+
+    def describe(self) -> dict:
+        return {"budget": self.name, "max_draft": self.max_draft, "cost": self.cost.coefficients()}

@@ -1,0 +1,163 @@
+"""Speculation budgets on the simulated GPUs: the scheduler's budget classes, one instance per GPU.
+
+The simulator runs the budgets the product runs (:mod:`scheduler.budgets`; the former names
+``unlimited``, ``das`` and ``das-roofline`` are refused with the new one). :class:`SimBudget` is
+the simulator's host for one: at each re-plan it builds the
+:class:`scheduler.budget_protocol.StepView` of its GPU's rows, sets each row's draft cap
+(``Requests.caps``) and the priority order (``Gpu.order``, highest first), and tells the step loop
+(:mod:`benchmarks._sim_engine`) how to spend them: ``spec_on`` (the drafter runs; its CPU time is
+charged), ``kv_aware`` (drafts never force a preemption), ``quota_mode`` / ``quota`` (draft tokens
+per step: 0 unlimited, 1 fixed, 2 the roofline knee, from the budget's ``quota``) and ``gate`` (no
+drafts while more rows run; -1: none).
+
+Where the product measures, the simulator stands in with its models:
+
+* a priced budget (``cost``, ``makespan``) gets the price of the Eq. 1 line fitted offline to the
+  simulated step-cost model (:func:`benchmarks._sim_workload.fit_linear_cost`, the same constants
+  ``class-eq9`` gets) instead of the online two-regime fit, and each row's draft candidates with
+  path probabilities from the acceptance model (perfectly calibrated: draft token ``j`` of a row
+  is accepted with probability ``tau(j) - tau(j - 1)``, the expected tokens per step ``tau`` of
+  the row's state, up to the drafter's natural draft length outside a loop and K in one); a
+  re-plan where no draft can pay turns the drafter off (the product skips its lookups then);
+  With ``price="knee"`` (``benchmarks.simulate --knee-price``, an experiment for a price that
+  learns the knee, not what the product has) the price is instead the roofline's own at the
+  step: a plain step's seconds, draft tokens free up to the knee
+  (:meth:`benchmarks._sim_workload.Roofline.free_draft_tokens`) and priced at their compute above it;
+* ``eq7`` fits its Eq. 1 + context cost model online from the simulated step times with 5% noise;
+* ``class-eq9`` gets the same offline Eq. 1 constants, as the paper fits them offline.
+
+All speculative budgets are KV-aware unless built with ``kv_aware=False``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from scheduler import LengthPredictor, budgets
+from scheduler.budget_protocol import Budget, Drafts, RowFacts, StepView
+from scheduler.cost_model import CostModel
+from scheduler.step_price import LinearPrice
+
+BUDGETS = budgets.names("simulator")  # none, fixed, cost, makespan, class-eq9, class-roofline, eq7
+QUOTA_MODES = {None: 0, "fixed": 1, "knee": 2}  # a budget's quota rule -> the step loop's quota_mode
+
+
+class SimBudget:
+    """One GPU's speculation budget (module doc).
+
+    Args:
+        budget: the budget (:func:`scheduler.budgets.make_budget`).
+        predictor: the length predictor of the workload (None: the budget reads no lengths).
+        max_draft: K.
+        linear_cost: ``{"c_base", "c_tok"}``, the Eq. 1 line fitted offline (a priced budget's price).
+        cost: the online cost model an ``uses_cost_fit`` budget reads (fed by :meth:`observe`).
+        seed: seed of the step-time noise the cost model sees.
+        noise: relative noise of those step times.
+        kv_aware: drafts never force a preemption.
+        price: ``"linear"`` (the offline Eq. 1 line) or ``"knee"`` (the roofline's price at the step), for a priced budget.
+    """
+
+    def __init__(self, budget: Budget, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, cost: CostModel | None = None,
+                 seed: int = 0, noise: float = 0.05, kv_aware: bool = True, price: str = "linear"):
+        if price not in ("linear", "knee"):
+            raise ValueError(f"price must be 'linear' or 'knee', got {price!r}")
+        self.price = price
+        self.budget = budget
+        self.name = budget.name
+        self.pred = predictor
+        self.max_draft = int(max_draft)
+        self.linear_cost = linear_cost
+        self.cost = cost
+        self.dynamic = not budget.static
+        self.spec_on = budget.drafts
+        self.kv_aware = kv_aware
+        self.quota_mode = QUOTA_MODES[budget.quota]
+        self.quota = float(budget.quota_tokens)
+        self.noise = float(noise)
+        self.rng = np.random.default_rng(seed + 7919)
+
+    @property
+    def gate(self) -> int:
+        return int(self.budget.gate)
+
+    @gate.setter
+    def gate(self, value: int) -> None:
+        self.budget.gate = int(value)
+
+    @property
+    def replan_on_events(self) -> bool:
+        return bool(getattr(self.budget, "replan_at_events", False))  # a gated class-eq9 opens at a finish
+
+    def plan(self, gpu, rows: np.ndarray) -> None:
+        """Caps and priority of ``rows`` (the GPU's running rows; all its members for a static budget)."""
+        r = gpu.req
+        n = rows.size
+        step = StepView(np.full(n, self.max_draft, np.int64), facts=lambda: RowFacts(
+            self.pred, r.problem_idx[rows], r.gen[rows], np.full(n, float(gpu.p.max_tokens)), r.drafted[rows], r.accepted[rows],
+            r.steps[rows], context=r.prompt[rows] + r.gen[rows]))
+        caps = self.budget.plan(step)
+        if self.budget.priced:
+            step.price = self.step_price(gpu, rows)
+            step.calibration = np.ones(n)
+            drafts = self.candidates(gpu, rows, caps)
+            offered = drafts.lengths > 0
+            best = float(drafts.probs[offered, 0].max()) if offered.any() else 0.0
+            self.spec_on = self.budget.can_pay(step, caps, best)
+            caps = np.minimum(self.budget.keep(step, drafts), drafts.lengths) if self.spec_on else np.zeros(n, np.int64)
+        r.caps[rows] = caps
+        order = self.budget.priority(step)
+        gpu.order = rows.copy() if order is None else rows[order]
+
+    def step_price(self, gpu, rows: np.ndarray) -> LinearPrice:
+        """The price of a step of ``rows`` (module doc): the offline Eq. 1 line, or the roofline's
+        own with a knee (a memory-bound step: its fixed cost is the whole plain step, a row's own
+        cost its KV read)."""
+        n = rows.size
+        if self.price == "linear":
+            return LinearPrice.given(self.linear_cost["c_base"], self.linear_cost["c_tok"], n)
+        roof = gpu.p.roof
+        ctx = float((gpu.req.prompt[rows] + gpu.req.gen[rows]).sum())
+        plain = float(roof.step_time(n, ctx, ctx + n))
+        per_draft = (roof.flops_per_token + roof.attn_flops_per_pair * ctx / max(n, 1)) / roof.flops_per_s
+        per_row = roof.kv_bytes_per_token * ctx / max(n, 1) / roof.bytes_per_s
+        return LinearPrice(plain, plain, per_draft, plain, per_row, free_drafts=roof.free_draft_tokens(n, ctx))
+
+    def candidates(self, gpu, rows: np.ndarray, caps: np.ndarray) -> Drafts:
+        """Each row's draft candidates from the acceptance model: path probability of draft token
+        ``j`` = ``tau(j) - tau(j - 1)`` of the row's state (its finished siblings on this GPU, or
+        its loop), at most ``ceil(natural_draft)`` tokens outside a loop, K in one, and its cap."""
+        r = gpu.req
+        k = self.max_draft
+        sib = np.minimum(gpu.grp_done[r.group[rows]], r.tau_tab.shape[1] - 1)
+        looping = r.gen[rows] >= r.loop_at[rows]
+        tau = np.where(looping[:, None], r.tau_loop[None, :], r.tau_tab[rows, sib, :])  # [n, K + 1]
+        probs = np.clip(np.diff(tau, axis=1), 0.0, 1.0)
+        natural = min(k, int(np.ceil(r.nat_draft)))
+        lengths = np.minimum(np.where(looping, k, natural), caps).astype(np.int64)
+        return Drafts(probs, np.maximum(lengths, 0))
+
+    def observe(self, gpu, n_tokens, seconds, context) -> None:
+        """The steps' times (seconds), into the online cost model of a budget that reads one."""
+        if self.cost is None or not self.budget.uses_cost_fit:
+            return
+        noisy = seconds * np.exp(self.noise * self.rng.standard_normal(seconds.size))
+        self.cost.observe(n_tokens, noisy, context)
+
+    def cost_fit(self) -> dict | None:
+        """The online cost model's coefficients (None: the budget reads none, or not fitted yet)."""
+        return self.cost.coefficients() if self.cost is not None and self.budget.uses_cost_fit else None
+
+
+def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, seed: int = 0,
+                    kv_aware: bool = True, price: str = "linear") -> SimBudget:
+    """A fresh per-GPU budget ``name`` (one offered in the simulator). ``linear_cost``: the offline
+    Eq. 1 fit (``c_base``, ``c_tok``).
+
+    Raises:
+        ValueError: an unknown or former name (the message gives the valid or the new one).
+    """
+    cost = CostModel(use_context=True, min_samples=16, forgetting=0.999)
+    offline = (linear_cost["c_base"], linear_cost["c_tok"]) if "c_base" in linear_cost else None
+    setting = budgets.BudgetSetting(max_draft=max_draft, cost=cost, offline_cost=offline, seed=seed)
+    budget = budgets.make_budget(name, "simulator", setting)
+    return SimBudget(budget, predictor, max_draft, linear_cost, cost=cost, seed=seed, kv_aware=kv_aware, price=price)

@@ -1,0 +1,368 @@
+"""What is decided per engine step, around a speculation budget: :class:`StepPlanner`.
+
+The vLLM proposer (:mod:`integrations.vllm_ext.proposer`) maps rows to requests and hands each
+step to a :class:`StepPlanner`, which owns everything that is measured and decided per step:
+
+* **Step cost.** The interval between consecutive steps over pure decode steps is fed to an
+  Eq. 1 line (:class:`scheduler.cost_model.CostModel`, read by ``eq7``) and to a two-regime fit of
+  plain and speculative steps (:class:`scheduler.regime_cost.TwoRegimeCost`, whose
+  :meth:`~scheduler.regime_cost.TwoRegimeCost.price` prices the ``cost`` and ``makespan``
+  budgets), or the user's ``c_base``/``c_tok`` are used as they are. The engine's first
+  :data:`SCREEN_STEPS` clean steps are held back and screened against their medians (its warm-up
+  steps compile kernels and take seconds), and intervals long against both the step and the
+  per-token averages (idle gaps between ``generate()`` calls) are left out.
+* **Acceptance calibration.** Verification outcomes fill the per-probability-bin reliability
+  calibration (:class:`scheduler.calibration.AcceptanceCalibration`); what its bins miss is
+  tracked as accepted / predicted, globally and per request (shrunk toward the global factor).
+* **The payoff guard.** A factor on every acceptance probability: drafting steps that yield fewer
+  tokens per second than the fitted plain step would shrink it, paying ones grow it back (at most
+  1), guarding "never slower" against a fit or a calibration that is too optimistic.
+* **Measuring the price.** Until the two-regime fit exists, plain and drafting steps alternate
+  and a drafting step keeps few tokens (:func:`likeliest_rows`); once fitted, a plain step every
+  16 drafting steps keeps the plain price measured (not with given prices), and after 32 steps in
+  a row where drafting could not pay, one exploration step drafts the first token of the likeliest
+  rows to re-measure acceptance.
+* **The budget** (:mod:`scheduler.budget_protocol`): its caps before the drafter runs; for a
+  priced budget, whether any draft can pay (else the drafter is not asked), where the drafts may
+  stop (the same drafts, fewer lookups; drafted again at the safe bound when a guessed cut fails
+  its check), and which of the drafted tokens the step verifies.
+
+It is tested without vLLM: a host feeds it steps (:meth:`StepPlanner.record_step`,
+:meth:`StepPlanner.observe_verified`) and asks it for a step's drafts (:meth:`StepPlanner.decide`)
+with any function that drafts.
+
+Units: seconds, tokens, rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from scheduler.budget_protocol import Budget, Drafts, StepView
+from scheduler.calibration import AcceptanceCalibration
+from scheduler.cost_model import CostModel
+from scheduler.draft_selection import raw_cutoffs
+from scheduler.priced_budgets import DraftCut
+from scheduler.regime_cost import TwoRegimeCost
+from scheduler.step_price import LinearPrice
+
+__all__ = ["SCREEN_STEPS", "PlannerStats", "StepPlanner", "StepRecord", "likeliest_rows"]
+
+SCREEN_STEPS = 8  # the engine's first clean steps, held back and screened against their median (warm-up)
+
+
+class StepRecord(NamedTuple):
+    """One clean decode step, as the cost models and the step log see it."""
+
+    t: float  # clock seconds at its end (the next step's start)
+    rows: int
+    draft_tokens: int  # draft tokens it verified
+    accepted: int  # of those, accepted
+    predicted: float  # accepted draft tokens its drafts' calibrated probabilities predicted
+    seconds: float
+    step_tokens: int  # tokens in its forward pass
+    context_tokens: int  # KV tokens it read
+
+
+@dataclasses.dataclass
+class PlannerStats:
+    """The planner's counters (a host may pass its own object with these attributes)."""
+
+    fitted_steps: int = 0  # steps whose drafts were kept by the fitted (or given) price
+    skipped_steps: int = 0  # steps the price ruled out drafting for (no drafter lookups at all)
+    cut_steps: int = 0  # steps whose drafts stopped at the step's price, above the drafter's own cutoff
+    recut_steps: int = 0  # of those, steps whose guessed cutoff the selection refused: drafted again at the safe one
+
+
+class _Cut(NamedTuple):
+    raw: np.ndarray  # float64 [rows]: raw path probability where each row's draft stops
+    cut: DraftCut  # the same in calibrated probability
+
+
+def likeliest_rows(probs: np.ndarray, lengths: np.ndarray, per_row: int, total: int) -> np.ndarray:
+    """Draft tokens to keep per row: up to ``per_row`` on the rows whose first draft token is likeliest, ``total`` at most.
+
+    Args:
+        probs: float32 ``[rows, K]`` path probabilities, the first ``lengths[r]`` of row ``r``.
+        lengths: int64 ``[rows]`` draft lengths.
+        per_row, total: caps in tokens.
+
+    Returns:
+        int64 array of kept draft tokens per row.
+    """
+    keep = np.zeros(lengths.shape[0], np.int64)
+    first = np.where(lengths > 0, probs[:, 0], -1.0) if probs.shape[1] else np.full(lengths.shape[0], -1.0)
+    for row in np.argsort(-first, kind="stable").tolist():
+        if total <= 0 or first[row] < 0:
+            break
+        keep[row] = min(per_row, int(lengths[row]), total)
+        total -= keep[row]
+    return keep
+
+
+class StepPlanner:
+    """Per-step measurement and decisions around one speculation budget (module doc).
+
+    Args:
+        budget: the :class:`scheduler.budget_protocol.Budget` (from :func:`scheduler.budgets.make_budget`).
+        cost: the Eq. 1 fit it feeds (share it with an ``eq7`` budget); default: fitted online
+            (``forgetting`` 0.995), or fixed at ``given_costs``.
+        given_costs: ``(c_base, c_tok)`` seconds: the price as given, no fit (and no plain steps forced).
+        stats: an object with :class:`PlannerStats`' attributes to count into (default: its own).
+        step_log: optional function called with one dict per clean step once the fit saw it (its
+            :class:`StepRecord` fields, ``fitted``, the two-regime coefficients ``c_base``,
+            ``c_row``, ``c_draft``, ``c_spec`` (None before a fit) and ``payoff_scale``).
+    """
+
+    def __init__(self, budget: Budget, *, cost: CostModel | None = None, given_costs: tuple[float, float] | None = None,
+                 stats: Any = None, step_log: Callable[[dict], None] | None = None):
+        self.budget = budget
+        self.given_costs = None if given_costs is None else (float(given_costs[0]), float(given_costs[1]))
+        self.cost = cost if cost is not None else self.online_cost(self.given_costs)
+        self.regimes = TwoRegimeCost(refit_every=4)  # plain vs speculative step times: the priced budgets' price
+        self._floor = 0.0  # the drafter's own cutoff this step (decide's ``floor``)
+        self.stats = stats if stats is not None else PlannerStats()
+        self.step_log = step_log
+        # Per-probability-bin acceptance factors from verification outcomes: the drafter's high
+        # path probabilities are nearly right, its low ones 2x too high, which one scalar factor
+        # cannot express.
+        self.acceptance = AcceptanceCalibration()
+        self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
+        self.payoff_scale = 1.0  # the payoff guard (module doc)
+        self._plans = 0  # decide() calls: warm-up alternates plain and drafting steps by their parity
+        self._exploring = False  # this step drafts only to re-measure acceptance
+        self._skipped_run = 0  # steps ruled out since the last one that drafted
+        # Measured steps since the last plain one: when every step drafts, the fit cannot tell a
+        # speculative step's own fixed cost from the base cost, and prices plain steps too high.
+        self._since_plain = 0
+        self._last_t: float | None = None
+        # Seconds per clean step and per forward token (EMAs), to drop idle gaps from the fit. A
+        # step is a gap only if it is long against both: against the step EMA alone, the first
+        # full batch after small warm-up steps (or a tail) would look like a gap for ever, since
+        # dropped steps never move the EMA.
+        self._interval_ema: float | None = None
+        self._token_ema: float | None = None
+        # The engine's first clean steps, held back until SCREEN_STEPS of them are in (None after):
+        # its first decode steps compile and warm kernels and take seconds; in the fit, one such
+        # step's squared error outweighs hundreds of real steps and makes drafts look free.
+        self._held: list[StepRecord] | None = []
+
+    @staticmethod
+    def online_cost(given_costs: tuple[float, float] | None = None) -> CostModel:
+        """The Eq. 1 fit a planner feeds (``forgetting`` 0.995: ~200 steps); a given ``(c_base,
+        c_tok)`` is used as is: a prior that no measured step outweighs."""
+        prior = None if given_costs is None else (float(given_costs[0]), float(given_costs[1]))
+        return CostModel(forgetting=0.995, prior=prior, prior_weight=1e12 if prior else 8.0)
+
+    # ------------------------------------------------------------------ measuring
+    def observe_verified(self, accepted: np.ndarray, psum: np.ndarray, probs: np.ndarray, offered: np.ndarray) -> tuple[int, float]:
+        """The verification outcomes of the rows whose last drafts the step just verified.
+
+        Args:
+            accepted: int64 ``[m]`` draft tokens each row had accepted.
+            psum: float64 ``[m]`` the calibrated probabilities of its drafts, summed (expected accepted).
+            probs: float32 ``[m, K]`` their raw path probabilities, the first ``offered[r]`` of row ``r``.
+            offered: int64 ``[m]`` draft tokens each row was offered.
+
+        Returns:
+            ``(accepted, predicted)`` of the step, summed over the rows.
+        """
+        m = accepted.shape[0]
+        # the EMAs over these rows in row order: 0.99 per row, as one row after the other
+        fade = 0.99 ** np.arange(m - 1, -1, -1)
+        self._accepted = 0.99**m * self._accepted + float(fade @ accepted)
+        self._predicted = 0.99**m * self._predicted + float(fade @ psum)
+        cols = np.arange(probs.shape[1])
+        shown = cols < offered[:, None]  # last step's draft tokens, row by row
+        self.acceptance.observe(probs[shown], (cols < accepted[:, None])[shown])
+        return int(accepted.sum()), float(psum.sum())
+
+    def record_step(self, now: float, rows: int, draft_tokens: int, step_tokens: int, context_tokens: int, clean: bool,
+                    accepted: int = 0, predicted: float = 0.0) -> None:
+        """The step that just ended at clock ``now`` (seconds): it ran ``rows`` rows with
+        ``draft_tokens`` draft tokens (``accepted`` of them accepted, ``predicted`` expected),
+        ``step_tokens`` tokens in its forward pass and ``context_tokens`` KV tokens read. Its
+        interval since the previous call goes into the fits unless it is not ``clean`` (a row in
+        prefill, a new request: not a pure decode step)."""
+        last, self._last_t = self._last_t, now
+        if last is None or not clean:
+            return
+        step = StepRecord(now, rows, draft_tokens, accepted, predicted, now - last, step_tokens, context_tokens)
+        if self._held is None:
+            self._observe(step)
+            return
+        self._held.append(step)
+        if len(self._held) < SCREEN_STEPS:
+            return
+        # Screened against their medians: the EMAs start there, so the gap rule drops the
+        # warm-up steps (more than 4x the median) like idle gaps.
+        held, self._held = self._held, None
+        self._interval_ema = float(np.median([h.seconds for h in held]))
+        self._token_ema = float(np.median([h.seconds / max(h.step_tokens, 1) for h in held]))
+        for h in held:
+            self._observe(h)
+
+    def _observe(self, step: StepRecord) -> None:
+        fitted = self._fit(step)
+        if self.step_log is not None:
+            c = self.regimes.coefficients() if self.regimes.ready else None
+            rec = {**step._asdict(), "fitted": fitted}
+            rec.update({k: None if c is None else c[k] for k in ("c_base", "c_row", "c_draft", "c_spec")})
+            rec["payoff_scale"] = self.payoff_scale
+            self.step_log(rec)
+
+    def _fit(self, step: StepRecord) -> bool:
+        """One clean step into the cost models and the payoff scale; False for an idle gap (left out)."""
+        rows, drafted, interval, tokens = step.rows, step.draft_tokens, step.seconds, step.step_tokens
+        if interval > 4.0 * max(self._interval_ema, self._token_ema * tokens):
+            return False  # an idle gap between generate() calls, not a step
+        self._interval_ema = 0.9 * self._interval_ema + 0.1 * interval
+        self._token_ema = 0.9 * self._token_ema + 0.1 * interval / max(tokens, 1)
+        self.cost.observe(tokens, interval, step.context_tokens)
+        self.regimes.observe(rows, drafted, interval)
+        self._since_plain = self._since_plain + 1 if drafted else 0
+        if drafted and self.budget.priced and self.given_costs is None and self.regimes.ready:
+            # tokens per second of this drafting step against the fitted plain step's
+            payoff = (rows + step.accepted) / interval * max(self.regimes.plain(rows), 1e-9) / rows
+            self.payoff_scale = float(np.clip(self.payoff_scale * payoff**0.1, 0.25, 1.0))
+        return True
+
+    def calibration(self) -> float:
+        """Accepted / predicted draft tokens over recent steps, with a prior of 4 tokens at 1.0.
+
+        Predicted with the per-bin calibrated probabilities, so this is what the bins miss (near
+        1.0 once they have evidence). The prior keeps a run of rejected drafts (a junk warm-up
+        request) from pricing every later draft at zero, which would stop drafting, and with it
+        the evidence, for good.
+        """
+        return (self._accepted + 4.0) / (self._predicted + 4.0)
+
+    def row_calibration(self, step: StepView) -> np.ndarray:
+        """float64 ``[rows]``: each live row's request's own accepted / predicted (``step.accepted``,
+        ``step.predicted``), shrunk toward the global one (other rows: the global one), times
+        the payoff scale."""
+        glob = self.calibration()
+        cal = np.full(step.rows, glob)
+        if step.accepted is not None:
+            cal[step.live] = (step.accepted + 8.0 * glob) / (step.predicted + 8.0)
+        return cal * self.payoff_scale
+
+    def price(self, rows: int) -> LinearPrice | None:
+        """The price of a step of ``rows`` rows: the given one, the fitted one, or None (warm-up)."""
+        if self.given_costs is not None:
+            return LinearPrice.given(*self.given_costs, rows)
+        if not self.regimes.ready:
+            return None
+        return self.regimes.price(rows)
+
+    # ------------------------------------------------------------------ deciding
+    def decide(self, step: StepView, draft: Callable[[np.ndarray, np.ndarray | None], Drafts], floor: float = 0.0) -> tuple[Drafts, np.ndarray]:
+        """The step's drafts and how many leading tokens of each row it verifies.
+
+        Args:
+            step: the :class:`StepView` (the planner sets its price, calibration and map for a
+                priced budget).
+            draft: ``draft(caps, min_prob)`` -> :class:`Drafts`: the drafter's candidates for
+                int64 ``caps [rows]`` (0: no draft), each row stopping below ``min_prob[r]``
+                (float64 ``[rows]``; None: the drafter's own cutoff). Called once, or twice when
+                a guessed cut fails its check.
+            floor: the drafter's own cutoff (its ``min_token_prob``): a cut never goes below it.
+
+        Returns:
+            ``(drafts, kept)``: the drafts and int64 ``[rows]`` tokens kept (at most each length).
+        """
+        budget = self.budget
+        self._floor = float(floor)
+        caps = budget.plan(step)
+        cut = None
+        if budget.priced:
+            step.price = self.price(step.rows)
+            step.calibration = self.row_calibration(step)
+            step.prob_map = self.acceptance
+            if step.price is not None:
+                budget.values(step)
+            if not self._allows_drafts(step, caps):
+                self.stats.skipped_steps += 1
+                self._skipped_run += 1
+                caps[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
+            cut = self._cutoff(step) if caps.any() else None
+        step.peak = {}
+        drafts = draft(caps, None if cut is None else cut.raw)
+        keep = self._keep(step, drafts)
+        if cut is not None and not budget.cut_held(step, cut.cut):
+            # the guess cut drafts the selection might have kept: draft again, down to the safe cutoff
+            self.stats.recut_steps += 1
+            step.peak = {}
+            drafts = draft(caps, self._row_cutoffs(cut.cut.bound, step.calibration))
+            keep = self._keep(step, drafts, recount=False)
+        if budget.priced:
+            budget.learn(step)
+        self._plans += 1
+        return drafts, drafts.lengths if keep is None else np.minimum(keep, drafts.lengths)
+
+    def _allows_drafts(self, step: StepView, caps: np.ndarray) -> bool:
+        """A priced budget, before any lookup: can a draft pay for its verification this step?
+
+        Warm-up (no price yet) alternates plain and drafting steps, so both regimes get measured;
+        after it, drafting is ruled out when even drafts at the best calibrated acceptance
+        probability would not raise tokens per second.
+        """
+        if step.rows == 0 or not caps.any():
+            return False
+        price = step.price
+        if price is not None and self.given_costs is None and self._since_plain >= 16:
+            return False  # a plain step now and then keeps the plain regime's price measured (given prices need none)
+        if price is not None and self._skipped_run >= 32:
+            self._skipped_run = 0
+            self._exploring = True  # after 32 steps ruled out in a row, one step re-measures acceptance
+            return True
+        if price is None:
+            return self.regimes.n_plain >= self.regimes.min_plain or self._plans % 2 == 1
+        best = min(1.0, float(step.calibration.max()) * float(self.acceptance.curve()[1][-1]))  # the likeliest a draft token can be
+        return self.budget.can_pay(step, caps, best)
+
+    def _cutoff(self, step: StepView) -> _Cut | None:
+        """Where this step's drafts may stop (None: at the drafter's own ``min_token_prob``): the
+        budget's calibrated cut, mapped to each row's raw probability by its own calibration
+        factor and the calibration curve (:func:`scheduler.draft_selection.raw_cutoffs`). Warm-up
+        and exploration steps keep drafts by another rule: no cut there."""
+        if step.price is None or self._exploring:
+            return None
+        cut = self.budget.cutoff(step)
+        if cut is None:
+            return None
+        raw = self._row_cutoffs(cut.theta, step.calibration)
+        if not (raw > self._floor).any():
+            return None
+        self.stats.cut_steps += 1
+        return _Cut(raw, cut)
+
+    def _row_cutoffs(self, theta: float | np.ndarray, cal: np.ndarray) -> np.ndarray:
+        """float64 ``[rows]``: where each row's draft stops for a calibrated bound ``theta``, never below the drafter's cutoff."""
+        return np.maximum(raw_cutoffs(theta, cal, self.acceptance.curve()), self._floor)
+
+    def _keep(self, step: StepView, drafts: Drafts, recount: bool = True) -> np.ndarray | None:
+        """Per-row draft tokens to keep, or None to keep every draft. Warm-up and exploration steps
+        keep few, at any batch size (a draft token costs about what a row costs where the forward
+        is compute-bound)."""
+        if not self.budget.priced:
+            return self.budget.keep(step, drafts)
+        rows = drafts.lengths.shape[0]
+        if step.price is None:  # warm-up drafting step: up to 4 tokens per row on the likeliest rows, rows // 4 tokens in all
+            return likeliest_rows(drafts.probs, drafts.lengths, per_row=4, total=max(4, rows // 4))
+        if self._exploring:  # exploration step: the first draft token of the likeliest rows
+            self._exploring = False
+            return likeliest_rows(drafts.probs, drafts.lengths, per_row=1, total=max(1, rows // 8))
+        self.stats.fitted_steps += recount
+        return self.budget.keep(step, drafts)
+
+    def snapshot(self) -> dict[str, Any]:
+        """The fits and the calibration: ``cost_model``, ``cost_samples``, ``budget``,
+        ``calibration``, ``payoff_scale``, ``step_cost`` and ``reliability``."""
+        return {"cost_model": self.cost.coefficients(), "cost_samples": self.cost.n_samples, "budget": self.budget.name,
+                "calibration": self.calibration(), "payoff_scale": self.payoff_scale, "step_cost": self.regimes.coefficients(),
+                "reliability": self.acceptance.table()}
