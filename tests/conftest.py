@@ -232,6 +232,7 @@ def without_bwrap(monkeypatch):
     code_sandbox.forget_probes()
 
 
+@pytest.fixture
 def length_history():
     """A :class:`scheduler.predictor.LengthPredictor` (16K max tokens, classes split at 2K and 8K)
     that has seen 10 short problems (``short0``..``short9``, 500 tokens each) and 10 long ones

@@ -149,7 +149,7 @@ def _rollout_error(capsys, argv: list[str]) -> str:
     (["--window", "0"], "--window must be an int >= 1, got 0"),
     (["--decay", "1.5"], "--decay must be a number in (0, 1], got 1.5"),
     (["--decay", "0"], "--decay must be a number in (0, 1], got 0.0"),
-    (["--budget", ""], "--budget must be a budget name (a non-empty string), got ''"),
+    (["--budget", ""], "--budget: unknown budget ''; expected one of ['none', 'fixed', 'cost', 'makespan', 'class', 'eq7']"),
     (["--compare", "none,das:unlimited"], "--compare das:unlimited: budget 'unlimited' is now called 'fixed'"),
     (["--compare", "das:class-eq9"], "--compare das:class-eq9: budget 'class-eq9' runs only in the simulator"),
     (["--num-spec-tokens", "0"], "--num-spec-tokens must be >= 1, got 0"),

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from das import config_doc
 from das.config import DASConfig
+from integrations import config_doc
 
 REPO = Path(__file__).resolve().parents[1]
 PAGE = REPO / "docs" / "configuration.md"
@@ -16,7 +16,7 @@ PAGE = REPO / "docs" / "configuration.md"
 
 def test_the_page_is_what_the_schema_generates():
     assert PAGE.read_text() == config_doc.render(), (
-        "docs/configuration.md is stale: regenerate it with `python -m das.config_doc > docs/configuration.md`")
+        "docs/configuration.md is stale: regenerate it with `python -m integrations.config_doc > docs/configuration.md`")
 
 
 def test_every_setting_has_one_row_with_its_default():

@@ -62,7 +62,7 @@ def test_recipe_overrides_and_errors():
     ("reward.code_timeout_s=abc", r"reward\.code_timeout_s"),
     ("speculative.das.window=-1", r"speculative\.das\.window must be an int >= 1, got -1"),
     ("speculative.das.decay=2", r"speculative\.das\.decay must be a number in \(0, 1\], got 2"),
-    ("speculative.das.budget=7", r"speculative\.das\.budget must be a budget name \(a non-empty string\), got 7"),
+    ("speculative.das.budget=7", r"speculative\.das\.budget: a budget name must be a string, one of \['none', .*\], got 7"),
     ("speculative.das.c_base=0.01", r"speculative\.das: give both c_base and c_tok"),
     ("scheduler.window=-1", r"scheduler\.window must be an int >= 1"),
     ("rollout.samples=2.5", r"rollout\.samples must be an int >= 1, got 2\.5"),
