@@ -186,7 +186,7 @@ def server(model: str, n: int = 4, response_length: int = 96) -> dict:
         "actor_rollout_ref.rollout.max_num_seqs=64",
         "actor_rollout_ref.rollout.max_num_batched_tokens=4096",
         "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=8",
-        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=64",
+        "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=128",
     ])
     rollout, model_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=True)
@@ -213,7 +213,10 @@ def server(model: str, n: int = 4, response_length: int = 96) -> dict:
         def snapshot() -> dict:
             path = Path(os.environ.get("TMPDIR", "/tmp")) / f"das-verl-snapshot-{os.getpid()}.json"
             ray.get(srv.collective_rpc.remote("das_snapshot", args=(str(path),)))
-            return json.loads(path.read_text())
+            try:
+                return json.loads(path.read_text())
+            finally:
+                path.unlink()
 
         def rollout_batch(label: str) -> None:
             before, t = _metrics(address), time.time()
