@@ -79,7 +79,7 @@ def row_problem_id(row: Mapping[str, Any], key: str | Callable[[Mapping[str, Any
             value = f"{row['data_source']}/{value}"
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (str, int)) and not hasattr(value, "__index__"):
+    if isinstance(value, bool) or not (isinstance(value, (str, int)) or hasattr(value, "__index__")):  # numpy ints have __index__
         raise ValueError(f"problem id must be a str or an int, got {type(value).__name__}: {value!r}")
     return str(value)
 
