@@ -73,6 +73,8 @@ if [ "$FRAMEWORKS" = 1 ]; then
   "$PY" -m pip --python "$VERL_VENV/bin/python" install -q -c "$CONSTRAINTS" \
     "hydra-core>=1.3" "omegaconf>=2.3" "tensordict>=0.8,<=0.10,!=0.9.0" codetiming dill pylatexenc torchdata peft
   rm -f "$CONSTRAINTS"
+  # pip then lists verl's own pins as conflicts (transformers, and pybind11 / tensorboard / wandb, which
+  # only verl's trainer and trackers import): expected; the import check below is what must pass.
   "$VERL_VENV/bin/python" -c "import verl, verl.experimental.agent_loop.agent_loop; print('install.sh: verl', verl.__version__, 'in $VERL_VENV')"
 fi
 echo "install.sh: done ($DAS_VLLM) in $VENV"
