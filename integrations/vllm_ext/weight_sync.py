@@ -36,12 +36,13 @@ and, at the first engine step after any weight load, calls ``begin_iteration(ver
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["SyncStats", "named_tensors", "sync_weights", "engine_state_dict", "drafter_policy_version", "SyncAwareDASProposer"]  # noqa: F822  (made by __getattr__ below, so vLLM is imported only when asked for)
+__all__ = ["SyncStats", "named_tensors", "sync_weights", "layerwise_reload", "engine_state_dict", "drafter_policy_version", "SyncAwareDASProposer"]  # noqa: F822  (made by __getattr__ below, so vLLM is imported only when asked for)
 
 
 @dataclasses.dataclass
@@ -111,6 +112,26 @@ def sync_weights(llm: Any, weights: Any, *, reset_prefix_cache: bool = True) -> 
             raise RuntimeError("sync_weights: vLLM refused to reset the prefix cache (requests still running?); stale KV would be reused")
     nbytes = sum(t.numel() * t.element_size() for _, t in named)
     return SyncStats(len(named), nbytes, time.perf_counter() - t0, reset)
+
+
+@contextlib.contextmanager
+def layerwise_reload(model: Any, model_config: Any):
+    """Make plain ``model.load_weights(...)`` calls inside the block work on a running engine.
+
+    A framework that owns the weight sync (TRL, verl) calls the model's ``load_weights`` with
+    checkpoint-format tensors, which fails on the CPU build once the weights are post-processed
+    (module docstring). This runs the block inside vLLM's in-place reload
+    (``vllm.model_executor.model_loader.reload.layerwise``): the checkpoint layout is restored
+    before the block and the layers are processed again after it, as ``worker.reload_weights``
+    does around its own single ``load_weights`` call. Use it in the vLLM worker process, with the
+    worker's ``model_runner.model`` and ``model_runner.vllm_config.model_config``; no request may run
+    meanwhile. If the block raises, the layers are left unprocessed and the exception propagates.
+    """
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, initialize_layerwise_reload
+
+    initialize_layerwise_reload(model)
+    yield
+    finalize_layerwise_reload(model, model_config)
 
 
 def _state_in_worker(worker: Any, names: list | None) -> dict:
