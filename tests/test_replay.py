@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks._replay_drafters import ngram_propose
 from benchmarks.replay import load_trace, main, replay
+from benchmarks.replay_drafters import ngram_propose
 from integrations.data.trace import Rollout, write_trace
 
 
