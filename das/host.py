@@ -15,8 +15,8 @@ __all__ = ["CACHE_ENV", "CPU_HOST_THREADS", "GPU_HOST_THREADS", "available_cpus"
            "physical_cores"]
 
 # The caps of the default draft threads. Where the engine runs on a GPU, the host's cores idle
-# through the forward pass, so the drafter takes up to 16 of them (benchmarks/README.md, "Draft
-# threads on a GPU host"); on a CPU engine it takes at most vLLM's n-gram proposer's 8, since the
+# through the forward pass, so the drafter takes up to 16 of them (docs/benchmarks.md, "Step
+# cost"); on a CPU engine it takes at most vLLM's n-gram proposer's 8, since the
 # engine's frontend (tokenizing) and structured outputs need threads too.
 GPU_HOST_THREADS = 16
 CPU_HOST_THREADS = 8
