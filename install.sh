@@ -17,7 +17,7 @@ VENV=${DAS_VENV:-.venv}
 if [ -z "${DAS_VLLM:-}" ]; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then DAS_VLLM=cuda; else DAS_VLLM=cpu; fi
 fi
-# Code rewards run untrusted code in a bubblewrap sandbox (integrations/rl/rewards.py) and refuse to
+# Code rewards run untrusted code in a bubblewrap sandbox (integrations/rl/code_sandbox.py) and refuse to
 # run without it: install bwrap with apt when it is missing and apt can be used (root, or sudo -n).
 if ! command -v bwrap >/dev/null 2>&1; then
   SUDO=""

@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._replay_drafters import heap_bytes, make_adapter
+from benchmarks.replay_drafters import heap_bytes, make_adapter
 from scheduler.calibration import AcceptanceCalibration
 
 DEFAULT_K = 16
@@ -533,7 +533,7 @@ def main(argv=None) -> int:
                 print(f"frontier: {name} K={args.k} {cfg} ...", file=sys.stderr, flush=True)
                 report["grid"].append(run_entry(name, args.k, cfg, iterations, memory=False, version_stride=args.version_stride))
     if args.hindsight and "das" in names:
-        from benchmarks._replay_drafters import DASHindsightAdapter
+        from benchmarks.replay_drafters import DASHindsightAdapter
 
         print(f"hindsight bound: das trees, K={args.k} ...", file=sys.stderr, flush=True)
         truth = {(it, i): r.output for it, rs in enumerate(iterations) for i, r in enumerate(rs)}
@@ -542,7 +542,7 @@ def main(argv=None) -> int:
                                      ("acceptance_length", "steps_per_rollout", "steps_per_rollout_longest10",
                                       "drafted_per_accepted", "iterations")}}
     if args.scale:
-        from benchmarks._replay_scale import run_scale
+        from benchmarks.replay_scale import run_scale
 
         report["scale"] = run_scale([int(float(x)) for x in args.scale_tokens.split(",") if x.strip()])
     print(format_table(report))
@@ -552,7 +552,7 @@ def main(argv=None) -> int:
         write_atomic(args.json, json.dumps(report, indent=1))
         print(f"wrote {args.json}")
     if plot:
-        from benchmarks._replay_plot import write_png
+        from benchmarks.replay_plot import write_png
 
         write_png(report, plot)
         print(f"wrote {plot}")

@@ -12,7 +12,7 @@ For each data set (default DSR-sub math and LeetCode code), with the real SmolLM
    the ``class`` budget's per-request caps, :func:`integrations.rl.grpo.request_caps`), one
    engine per method: at iteration ``v`` the engine gets policy ``v`` by an in-place weight sync
    (prefix cache reset, DAS window advanced), then generates the same prompts with the same seed
-   through the loop's own rollout function (:func:`integrations.vllm_ext.timed_generate.generate_rollouts`).
+   through the loop's own rollout function (:func:`integrations.vllm_ext.rollouts.generate_rollouts`).
    Every method thus samples from the same sequence of policies; only speculation differs. The
    train method is replayed too, so all rows are measured the same way.
 
@@ -40,16 +40,20 @@ from pathlib import Path
 from typing import Any
 
 from integrations.vllm_ext import cpu_runtime
+from integrations.vllm_ext.engine import METHODS
 
-METHODS = ("none", "ngram", "suffix", "das", "das-sched")
+#: what is replayed: an engine method (:data:`integrations.vllm_ext.engine.METHODS`), or ``das-sched``:
+#: DAS with each request capped by its problem's length class (the recipe's ``scheduler.budget: class``).
+REPLAYED = METHODS + ("das-sched",)
+DEFAULT_REPLAYED = ("none", "ngram", "suffix", "das", "das-sched")
 DATA = {"dsr_sub": "grpo_dsr_sub", "leetcode": "grpo_leetcode"}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.rollout", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", default="dsr_sub,leetcode", help="comma-separated: dsr_sub, leetcode (each uses recipes/grpo_<data>.yaml)")
-    p.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated, from {list(METHODS)}")
-    p.add_argument("--train-method", default="das", choices=("none", "ngram", "suffix", "das"), help="the method the GRPO loop trains with")
+    p.add_argument("--methods", default=",".join(DEFAULT_REPLAYED), help=f"comma-separated, from {list(REPLAYED)}")
+    p.add_argument("--train-method", default="das", choices=METHODS, help="the method the GRPO loop trains with")
     p.add_argument("--iterations", type=int, default=3, help="GRPO steps (policy versions) per data set")
     p.add_argument("--prompts", type=int, default=4, help="problems per iteration")
     p.add_argument("--samples", type=int, default=6, help="GRPO group size")
@@ -65,7 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.data = [d.strip() for d in args.data.split(",") if d.strip()]
     args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    bad = [d for d in args.data if d not in DATA] + [m for m in args.methods if m not in METHODS]
+    bad = [d for d in args.data if d not in DATA] + [m for m in args.methods if m not in REPLAYED]
     if bad:
         p.error(f"unknown data sets / methods: {bad}")
     if args.train_method not in args.methods:
@@ -113,7 +117,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     from integrations.rl.rewards import make_reward_fn, overlong_penalty
     from integrations.vllm_ext import control
     from integrations.vllm_ext.engine import make_llm
-    from integrations.vllm_ext.timed_generate import generate_rollouts
+    from integrations.vllm_ext.rollouts import generate_rollouts
     from integrations.vllm_ext.weight_sync import sync_weights
 
     base = load_recipe(DATA[data], _overrides(args, args.train_method))

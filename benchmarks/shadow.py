@@ -27,8 +27,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks._replay_drafters import make_adapter
 from benchmarks.replay import CONFIGS, DEFAULT_K, accepted_prefix, load_trace, replay
+from benchmarks.replay_drafters import make_adapter
 from benchmarks.step_cost import find_trace
 
 
@@ -88,7 +88,7 @@ class Shadowed:
 
 def run(iterations, lead: str, shadows: list[str], k: int) -> dict[str, Any]:
     """Replay ``iterations`` driven by drafter ``lead`` with ``shadows`` asked at its steps (names
-    of :func:`benchmarks._replay_drafters.make_adapter`, settings from ``CONFIGS``). Returns the
+    of :func:`benchmarks.replay_drafters.make_adapter`, settings from ``CONFIGS``). Returns the
     lead's replay metrics under ``"replay"`` and the per-drafter counts under ``"drafters"``."""
     adapter = Shadowed(iterations, make_adapter(lead, k, **CONFIGS.get(lead, {})),
                        [make_adapter(s, k, **CONFIGS.get(s, {})) for s in shadows])

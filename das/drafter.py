@@ -59,7 +59,7 @@ class DASDrafter:
     """Per-problem windowed suffix-tree drafter (see the module docstring).
 
     Args (defaults from :class:`das.config.DASConfig`, the one place they are written; its field
-    descriptions say why, and benchmarks/README.md holds the replays that chose them):
+    descriptions say why, and docs/benchmarks.md, "Evidence for the defaults", holds the replays that chose them):
         window: int >= 1, policy versions kept per problem: after ``begin_iteration(v)`` only
             rollouts of versions ``>= v - window + 1`` remain (:mod:`das.problem_store`). Default 16.
         decay: float in (0, 1], weight of a rollout one policy version (or visit) older relative to

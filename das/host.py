@@ -9,21 +9,19 @@ and falls back to what Python's :mod:`os` says where those are missing.
 from __future__ import annotations
 
 import os
-import warnings
 from pathlib import Path
 
 __all__ = ["CACHE_ENV", "CPU_HOST_THREADS", "GPU_HOST_THREADS", "available_cpus", "cache_dir", "default_draft_threads", "node_gpus",
            "physical_cores"]
 
 # The caps of the default draft threads. Where the engine runs on a GPU, the host's cores idle
-# through the forward pass, so the drafter takes up to 16 of them (benchmarks/README.md, "Draft
-# threads on a GPU host"); on a CPU engine it takes at most vLLM's n-gram proposer's 8, since the
+# through the forward pass, so the drafter takes up to 16 of them (docs/benchmarks.md, "Step
+# cost"); on a CPU engine it takes at most vLLM's n-gram proposer's 8, since the
 # engine's frontend (tokenizing) and structured outputs need threads too.
 GPU_HOST_THREADS = 16
 CPU_HOST_THREADS = 8
 
 CACHE_ENV = "DAS_CACHE_DIR"  # the directory das caches models, traces and calibrations in (default ~/.cache/das)
-_OLD_CACHE_ENV = "DAS_CACHE"  # its former name, read with a warning
 
 
 def available_cpus() -> int:
@@ -85,20 +83,8 @@ def default_draft_threads(cores: int | None = None, gpus: int | None = None) -> 
 def cache_dir(env: dict[str, str] | None = None) -> Path:
     """das's cache directory: ``$DAS_CACHE_DIR`` (``~`` expanded) if set and not empty, else ``~/.cache/das``. Not created here.
 
-    ``DAS_CACHE``, the variable's former name, is still read where ``DAS_CACHE_DIR`` is not set,
-    with a :class:`FutureWarning` (and ignored, with one, where both are).
-
     Args:
         env: the environment to read (default ``os.environ``).
     """
-    env = os.environ if env is None else env
-    value = env.get(CACHE_ENV)
-    old = env.get(_OLD_CACHE_ENV)
-    if old:
-        if value:
-            warnings.warn(f"{_OLD_CACHE_ENV}={old!r} is ignored: {CACHE_ENV}={value!r} is set ({_OLD_CACHE_ENV} is its former name; unset it)",
-                          FutureWarning, stacklevel=2)
-        else:
-            warnings.warn(f"{_OLD_CACHE_ENV} is renamed {CACHE_ENV}: set {CACHE_ENV}={old!r} instead", FutureWarning, stacklevel=2)
-            value = old
+    value = (os.environ if env is None else env).get(CACHE_ENV)
     return Path(value).expanduser() if value else Path.home() / ".cache" / "das"

@@ -22,7 +22,7 @@ Most of a draft token's time is cache misses on the trees' rows, and a locus's r
 other, so the kernel prefetches what the next position reads first of every locus at once (its
 most frequent child's row, and each tree's hash slot of the new length-1 locus), and the
 candidates' outcome-table rows before it scores them: those misses overlap instead of coming one
-after the other (benchmarks/README.md, "Step cost").
+after the other (docs/benchmarks.md, "Step cost").
 
 Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floats):
 
@@ -41,7 +41,7 @@ Mixer inputs for candidate token ``t`` at draft position ``j`` (:data:`NIN` floa
   count what rollouts wrote, these count what the current policy accepted when it was drafted
   (a token the policy keeps rejecting where the history repeats it, e.g. a number in a worked
   solution, is drafted with less confidence everywhere: more acceptance at the same or fewer
-  drafted tokens per accepted token on the replays, benchmarks/README.md); the
+  drafted tokens per accepted token on the replays, docs/benchmarks.md); the
   counts fade by the drafter's ``decay`` per policy version, as its rollouts do;
 * ``[NIN - 4]`` (:data:`SUPPORT_RATE`): the same for ``t``'s *support profile*, per scope the
   match-length bucket of the longest context at which ``t`` has a count (or none; one of
@@ -56,7 +56,7 @@ rests on: ``1 / 1`` and ``90 / 100`` stretch to nearly the same input, and the p
 first only a little. So each scope's longest-locus input comes in :data:`COUNT_LEVELS` copies,
 one per level of that locus's total (below 2, 2 to 8, 8 and more), and the mixer learns a weight
 for each: how far a long context seen once can be trusted against one seen often (PAQ's mixers
-select their weights by such context confidence too; benchmarks/README.md, "Count levels").
+select their weights by such context confidence too; docs/benchmarks.md, "Evidence from code comments").
 
 Candidates: the most frequent next tokens of the loci (the first :data:`MAX_CAND` distinct ones,
 scopes in order, longest locus first). The mixer's logit is ``w[set] . x`` with
@@ -71,7 +71,7 @@ counted there (outcome table 3, starting from the mixer's own probability with
 :data:`APM_PRIOR` pseudo-drafts, fading as the other tables do); ``q`` is their interpolated
 mean, 3 : 1 with ``sigmoid(logit)``. The path probability is a product of ``q``'s, so an
 overconfident mixer drafts too far and an underconfident one stops too soon; the map corrects
-both from the outcomes (benchmarks/README.md).
+both from the outcomes (docs/benchmarks.md, "Evidence from code comments").
 
 Learning (:func:`learn_rows`): logistic regression with AdaGrad steps on each drafted token whose
 outcome is known (accepted tokens, then the first rejected one), conditional on the tokens before
@@ -156,8 +156,8 @@ def initial_weights() -> np.ndarray:
 
 # The helpers below are plain njit functions, which LLVM inlines, not numba's inline="always":
 # numba's own inlining binds each array argument to a new variable and counts a reference to it
-# per call (a call and an atomic operation per locus in _mix; benchmarks/README.md, "Drafting
-# without atomic reference counts").
+# per call (a call and an atomic operation per locus in _mix; docs/benchmarks.md, "Evidence from
+# code comments").
 @njit(cache=True)
 def _bucket(L):
     if L <= 2:
@@ -566,7 +566,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
                 lL[s, m] = 1
                 m += 1
             # two loci in one bucket read nearly the same counts: keep the longest (the same
-            # acceptance at less drafting time; benchmarks/README.md, "Step cost")
+            # acceptance at less drafting time; docs/benchmarks.md, "Evidence from code comments")
             nl[s] = _bucket_reps(lu, ld, lL, s, m)
             for i in range(nl[s]):  # the next position reads each locus's most frequent child: start those misses at once
                 b = nodes[lu[s, i], C_BEST]

@@ -6,7 +6,7 @@ row's live sequence in the global tree (``mix`` chooser), and teaches the mixer 
 the rows' pending drafts (weights and outcome tables, ``mix`` chooser). The first is split over
 the parts by tree (rows sharing a tree share a part, so no two threads touch one tree); the
 global tree's append and the learning run as extra work of two of those parts instead of one
-after the other on one thread while the other threads wait (benchmarks/README.md, "Step cost").
+after the other on one thread while the other threads wait (docs/benchmarks.md, "Evidence from code comments").
 The results are those of the serial order: no piece of work reads what another writes. From
 :data:`das.step_threads.BALANCED_PARTS` parts on,
 which part appends which tree is chosen per step by :func:`balance_parts`, so that the parts that

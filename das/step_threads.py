@@ -7,8 +7,8 @@ only its own output); appending splits them by tree (rows that share a tree shar
 :func:`insert_owners` decides which thread appends which tree. Every kernel runs on a numba team
 cut to its parts (:func:`on_threads`). The results are those of one thread.
 
-The constants are module globals read at each call, so that a benchmark may set them for a run
-(``benchmarks.step_ab``).
+The constants are module globals read at each call, so that a benchmark or a test may set them
+for a run. The figures behind them: docs/benchmarks.md, "Evidence from code comments".
 """
 
 from __future__ import annotations
@@ -20,17 +20,17 @@ from das import step_kernels
 
 __all__ = ["BALANCED_PARTS", "GLOBAL_APPEND_COST", "LEARN_COST", "PARALLEL_ROWS", "insert_owners", "on_threads", "threads_for"]
 
-# Rows from which the batch verbs run on several threads (benchmarks/README.md, "Step cost").
+# Rows from which the batch verbs run on several threads.
 PARALLEL_ROWS = 16
 # The global tree's append and the mixer's learning, per appended token, in units of a row's
-# appends to its problem and request trees (measured on one thread at 256 rows). They set how many
+# appends to its problem and request trees (on one thread at 256 rows). They set how many
 # trees the parts that carry those two pieces get (:func:`das.step_kernels.balance_parts`).
 GLOBAL_APPEND_COST = 0.3
 LEARN_COST = 0.15
 # Parts from which a step's trees are balanced over the parts (below: dealt by tree id modulo the
 # parts). With two or three parts the global tree's append and the learning already sit on
 # different threads, and balancing (its own cost, and tree groups that change from step to step)
-# costs more than the evening out saves (benchmarks/README.md, "Step cost").
+# costs more than the evening out saves.
 BALANCED_PARTS = 4
 
 

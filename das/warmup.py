@@ -6,8 +6,7 @@ its cache on disk. Where that cache is missing or stale (a fresh install; an upd
 in all (``start_request``, ``add_tokens_batch`` and ``speculate_batch``, below and from
 :data:`das.step_threads.PARALLEL_ROWS` rows). Inside a vLLM engine those first calls are the
 first decode steps of the first rollout iteration, which then spends seconds compiling in the
-proposer and runs slower than a plain engine (benchmarks/README.md, "Kernels compiled at engine
-start").
+proposer and runs slower than a plain engine (docs/benchmarks.md, "Measurement notes").
 
 :func:`warm_up` runs a small synthetic workload through the verbs the vLLM proposer
 (:class:`integrations.vllm_ext.proposer.DASProposer`) calls, with the argument types it passes

@@ -39,7 +39,7 @@ from integrations.data.problems import problem_set_name, problem_source
 from integrations.results import save_figure
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import METHODS, drop_unavailable
-from integrations.vllm_ext.timed_generate import tail_acceptance_length
+from integrations.vllm_ext.rollouts import tail_acceptance_length
 from scheduler import budgets
 
 _FIELDS = DASConfig.model_fields
@@ -260,12 +260,12 @@ class MethodRun:
         """Generate iteration ``it`` (policy version ``it + 1``) for the problems ``chosen``.
 
         ``args.samples`` rollouts of each chosen prompt through
-        :func:`integrations.vllm_ext.timed_generate.generate_rollouts`, seeded with
+        :func:`integrations.vllm_ext.rollouts.generate_rollouts`, seeded with
         ``args.seed * 100003 + version + 7919 * args.sample_seed``; with ``rollouts`` a list, one
         :class:`integrations.data.trace.Rollout` per rollout is appended to it.
         """
         from integrations.vllm_ext import control
-        from integrations.vllm_ext.timed_generate import generate_rollouts
+        from integrations.vllm_ext.rollouts import generate_rollouts
 
         args, llm, version = self.args, self.llm, it + 1
         if self.method == "das":

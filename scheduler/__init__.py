@@ -29,8 +29,7 @@ from scheduler.calibration import AcceptanceCalibration
 from scheduler.class_budgets import ClassBudget, ClassEq9Budget, ClassRooflineBudget
 from scheduler.cost_model import CostModel
 from scheduler.eq7 import Eq7Budget, Eq7Plan, Eq7Solver, optimal_proposals, round_caps, solve_n_fwd, step_saves_time
-from scheduler.interleave import METHODS as INTERLEAVE_METHODS
-from scheduler.interleave import assign_groups, compare_assignments, worker_loads
+from scheduler.interleave import ASSIGNMENTS, assign_groups, compare_assignments, worker_loads
 from scheduler.planner import StepPlanner
 from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredictor, Prediction, classify, confusion_matrix, evaluate_predictor
 from scheduler.priced_budgets import CostBudget, MakespanBudget
@@ -66,7 +65,7 @@ __all__ = [
     "step_saves_time",
     "AcceptanceCalibration",
     "CostModel",
-    "INTERLEAVE_METHODS",
+    "ASSIGNMENTS",
     "assign_groups",
     "compare_assignments",
     "worker_loads",

@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 from sortedcontainers import SortedList
 
-__all__ = ["METHODS", "assign_groups", "worker_loads", "compare_assignments"]
+__all__ = ["ASSIGNMENTS", "assign_groups", "worker_loads", "compare_assignments"]
 
-METHODS = ("lpt", "round_robin", "random")
+#: the ways :func:`assign_groups` assigns groups to workers.
+ASSIGNMENTS = ("lpt", "round_robin", "random")
 
 
 def assign_groups(work, n_workers: int, method: str = "lpt", *, n_long=None, seed: int | None = 0) -> np.ndarray:
@@ -30,7 +31,7 @@ def assign_groups(work, n_workers: int, method: str = "lpt", *, n_long=None, see
     Args:
         work: float array ``[G]``, predicted work of each group (tokens, >= 0).
         n_workers: number of workers N (>= 1).
-        method: one of :data:`METHODS`.
+        method: one of :data:`ASSIGNMENTS`.
         n_long: optional int array ``[G]``, predicted Long requests per group (LPT tie-break).
         seed: seed of ``random``.
 
@@ -47,8 +48,8 @@ def assign_groups(work, n_workers: int, method: str = "lpt", *, n_long=None, see
         raise ValueError(f"work must be finite and >= 0, got {w[(~np.isfinite(w)) | (w < 0)][:4]}")
     if not isinstance(n_workers, (int, np.integer)) or n_workers < 1:
         raise ValueError(f"n_workers must be an int >= 1, got {n_workers!r}")
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
+    if method not in ASSIGNMENTS:
+        raise ValueError(f"method must be one of {ASSIGNMENTS}, got {method!r}")
     g = w.size
     if method == "round_robin":
         return np.arange(g, dtype=np.int64) % n_workers
@@ -87,7 +88,7 @@ def compare_assignments(predicted_work, true_work, n_workers: int, *, n_long=Non
         (loads in the units of ``true_work``; ``*_long`` from ``true_long`` per group, if given).
     """
     out: dict[str, dict[str, float]] = {}
-    for m in METHODS:
+    for m in ASSIGNMENTS:
         a = assign_groups(predicted_work, n_workers, m, n_long=n_long, seed=seed)
         loads = worker_loads(true_work, a, n_workers)
         row = {"max_load": float(loads.max()), "mean_load": float(loads.mean()), "imbalance": float(loads.max() / max(loads.mean(), 1e-12))}

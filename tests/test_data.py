@@ -110,6 +110,27 @@ def test_leetcode_loads_and_reference_solutions_pass_their_tests():
     assert not _runs_ok(p.test_program(wrong))
 
 
+def test_code_prelude_is_the_leetcode_prelude_module_and_its_helpers_work():
+    """CODE_PRELUDE is integrations/data/leetcode_prelude.py without its docstring (a linted module, not a
+    string); run as the sandbox runs it, it gives the names LeetCode stubs and tests use."""
+    module = (REPO / "integrations" / "data" / "leetcode_prelude.py").read_text()
+    assert module.endswith(CODE_PRELUDE) and module.startswith('"""') and CODE_PRELUDE.startswith("import ")
+    limit = sys.getrecursionlimit()
+    ns: dict = {}
+    try:
+        exec(compile(CODE_PRELUDE, "<prelude>", "exec"), ns)
+    finally:
+        sys.setrecursionlimit(limit)  # the prelude raises it for the solution's process
+    assert {"List", "Optional", "Counter", "deque", "heappush", "inf"} <= set(ns)
+    list_node, is_same_list = ns["list_node"], ns["is_same_list"]
+    assert is_same_list(list_node([1, 2, 3]), list_node([1, 2, 3])) and list_node([]) is None
+    assert not is_same_list(list_node([1, 2, 3]), list_node([1, 2])) and not is_same_list(list_node([1, 2]), list_node([1, 3]))
+    tree_node, is_same_tree = ns["tree_node"], ns["is_same_tree"]
+    root = tree_node([4, 2, 7, None, 3])  # level order, None for a missing child
+    assert (root.val, root.left.val, root.right.val, root.left.left, root.left.right.val) == (4, 2, 7, None, 3)
+    assert is_same_tree(root, tree_node([4, 2, 7, None, 3])) and not is_same_tree(root, tree_node([4, 2, 7, 3]))
+
+
 def test_leetcode_tests_given_as_python_literal_string(tmp_path):
     src = "def check(candidate):\n    assert candidate(1) == 2\n\ncheck(Solution().f)"
     rows = [{"problem": "Add one. Use python.", "solutions": "x", "tests": repr({"functional": src})}]

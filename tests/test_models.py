@@ -18,7 +18,6 @@ from integrations.data.models import (
     MARKER,
     TINY_CHAT_TEMPLATE,
     build_tiny_model,
-    default_cache_dir,
     resolve_model,
     smollm2_gguf_file,
     smollm2_path,
@@ -36,13 +35,6 @@ def _files(path: Path) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def tiny(tiny_model) -> Path:
     return Path(tiny_model)  # the session's tiny model (conftest, seed 0 = the default): built once per run
-
-
-def test_default_cache_dir(monkeypatch, tmp_path):
-    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "c"))
-    assert default_cache_dir() == tmp_path / "c"
-    monkeypatch.delenv("DAS_CACHE_DIR")
-    assert default_cache_dir() == Path.home() / ".cache" / "das"
 
 
 @builds

@@ -6,9 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from benchmarks._replay_drafters import ngram_propose
 from benchmarks.replay import load_trace, main, replay
+from benchmarks.replay_drafters import ngram_propose
 from integrations.data.trace import Rollout, write_trace
 
 
@@ -34,12 +36,13 @@ def _ngram_brute(tokens, min_n, max_n, k):
     return []
 
 
-def test_ngram_is_vllm_prompt_lookup():
-    rng = np.random.default_rng(1)
-    for _ in range(300):
-        toks = rng.integers(0, 3, int(rng.integers(0, 30))).astype(np.int32)
-        for k in (1, 4):
-            assert ngram_propose(toks, 2, 4, k).tolist() == _ngram_brute(toks, 2, 4, k)
+@settings(max_examples=300, deadline=None)
+@given(tokens=st.lists(st.integers(0, 2), max_size=29), k=st.sampled_from([1, 4]))
+def test_ngram_is_vllm_prompt_lookup(tokens, k):
+    """vLLM's n-gram prompt lookup (KMP over the reversed context) drafts what a brute-force search
+    for the longest, then earliest, earlier occurrence of a suffix n-gram (2 <= n <= 4) finds."""
+    toks = np.array(tokens, np.int32)
+    assert ngram_propose(toks, 2, 4, k).tolist() == _ngram_brute(toks, 2, 4, k)
 
 
 @pytest.mark.slow  # the whole CLI: three drafters, grid, hindsight bound, memory, plot

@@ -45,7 +45,7 @@ def test_replay_table_keeps_columns_and_numbers():
 
 def test_replay_plot_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from benchmarks._replay_plot import write_png
+    from benchmarks.replay_plot import write_png
 
     path = write_png(_replay_report(), tmp_path / "sub" / "replay.png")
     assert path.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

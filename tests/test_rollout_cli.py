@@ -83,7 +83,7 @@ def test_result_paths_are_checked_before_the_run(tmp_path):
 
 
 def test_tail_is_measured_from_the_90th_percentile_finish():
-    from integrations.vllm_ext.timed_generate import Rollout, RolloutBatch
+    from integrations.vllm_ext.rollouts import Rollout, RolloutBatch
 
     ends = [1.0] * 9 + [5.0]
     batch = RolloutBatch([Rollout(0, "p", i, [7], [1], "length", t) for i, t in enumerate(ends)], 5.0, 0, 0)

@@ -1,4 +1,4 @@
-"""The one rollout loop (integrations.vllm_ext.timed_generate.generate_rollouts), on a fake engine.
+"""The one rollout loop (integrations.vllm_ext.rollouts.generate_rollouts), on a fake engine.
 
 The fake stands in for ``vllm.LLM`` where the loop touches it (``enqueue``, ``llm_engine.step()``,
 ``llm_engine.has_unfinished_requests()``, the speculative counters, ``collective_rpc`` for the DAS
@@ -19,7 +19,7 @@ import pytest
 # Imported here, before any test fakes ``vllm``.
 from integrations.rl.ray_rollout import Group, RolloutWorker
 from integrations.rollout import IterationResult, MethodRun
-from integrations.vllm_ext import timed_generate as tg
+from integrations.vllm_ext import rollouts as loop
 from integrations.vllm_ext.proposer import ProposerStats
 
 STEP_S = 0.5
@@ -35,7 +35,7 @@ class _Drafter:
     """The DAS proposer's side of ``control.snapshot`` / ``control.begin_iteration``."""
 
     def __init__(self):
-        self.stats = {k: 10 for k in tg.PROPOSER_COUNTERS} | {"propose_s": 1.5, "drafter_problems": 2, "budget": "cost"}
+        self.stats = {k: 10 for k in loop.PROPOSER_COUNTERS} | {"propose_s": 1.5, "drafter_problems": 2, "budget": "cost"}
         self.versions = []
 
     def begin_iteration(self, version):
@@ -125,7 +125,7 @@ def fake_vllm(monkeypatch):
         clocks.append(llm.clock)
         return llm
 
-    monkeypatch.setattr(tg, "time", SimpleNamespace(perf_counter=lambda: clocks[-1].t))
+    monkeypatch.setattr(loop, "time", SimpleNamespace(perf_counter=lambda: clocks[-1].t))
     return make
 
 
@@ -135,7 +135,7 @@ def test_groups_samples_finish_times_timeline_counters_and_tail(fake_vllm):
     lengths = [4, 1, 3, 2, 6, 2]  # queued in (group, sample) order: group 0 = 0..2, group 1 = 3..5
     llm = fake_vllm(lengths)
     prompts = [[1, 2, 3], [4, 5]]
-    batch = tg.generate_rollouts(llm, prompts, ["p0", "p1"], samples=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=1234,
+    batch = loop.generate_rollouts(llm, prompts, ["p0", "p1"], samples=3, max_tokens=6, temperature=0.7, top_p=0.9, seed=1234,
                                  draft_caps=[None, 4], das=True, sampling={"ignore_eos": True})
     assert torch.initial_seed() == 1234
     # the requests: one n=1 request per sample, in (group, sample) order; no sample keys unless coupled
@@ -175,7 +175,7 @@ def test_coupled_rollouts_carry_one_sample_key_each_from_the_seed_and_their_plac
 
     def keys(seed, coupled):
         llm = fake_vllm([2, 1, 3, 2])
-        tg.generate_rollouts(llm, [[1, 2], [3]], ["p0", "p1"], samples=2, max_tokens=4, temperature=1.0, seed=seed,
+        loop.generate_rollouts(llm, [[1, 2], [3]], ["p0", "p1"], samples=2, max_tokens=4, temperature=1.0, seed=seed,
                              draft_caps=[3, None], coupled=coupled)
         extras = [sp.kw["extra_args"] for _, _, sp in llm.llm_engine.added]
         assert [{k: v for k, v in e.items() if k != KEY_ARG} for e in extras] == [
@@ -192,7 +192,7 @@ def test_the_tail_counts_its_own_steps_and_accepted_draft_tokens(fake_vllm):
     steps, and the fake engine's counters grow by 2 draft tokens per running row and 1 accepted
     token per step there, so the tail yields 2 tokens per verification step."""
     llm = fake_vllm([1] * 8 + [2, 6])
-    batch = tg.generate_rollouts(llm, [[1]], ["a"], samples=10, max_tokens=8, temperature=1.0)
+    batch = loop.generate_rollouts(llm, [[1]], ["a"], samples=10, max_tokens=8, temperature=1.0)
     assert batch.running.tolist() == [2, 1, 1, 1, 1, 0]
     assert batch.tail_time_s(0.1) == pytest.approx(2.0)
     assert (batch.tail_row_steps, batch.tail_draft_tokens, batch.tail_accepted_tokens) == (4, 8, 4)
@@ -201,7 +201,7 @@ def test_the_tail_counts_its_own_steps_and_accepted_draft_tokens(fake_vllm):
 
 def test_per_prompt_sample_counts_without_enqueue(fake_vllm):
     llm = fake_vllm([1, 2, 3], enqueue=False)  # older vLLM: requests go to llm_engine.add_request
-    batch = tg.generate_rollouts(llm, [[1], [2], [3]], ["a", "b", "c"], samples=[2, 0, 1], max_tokens=8, temperature=0.0)
+    batch = loop.generate_rollouts(llm, [[1], [2], [3]], ["a", "b", "c"], samples=[2, 0, 1], max_tokens=8, temperature=0.0)
     assert [(r.group, r.sample, r.problem_id, r.finish_s) for r in batch.rollouts] == [(0, 0, "a", 0.5), (0, 1, "a", 1.0), (2, 0, "c", 1.5)]
     assert all(sp.output_kind == "final-only" for _, _, sp in llm.llm_engine.added)
     assert batch.proposer is None and batch.running.tolist() == [2, 1, 0]
@@ -212,15 +212,15 @@ def test_bad_arguments_and_lost_requests(fake_vllm):
     for kw in ({"problem_ids": ["a", "b"]}, {"samples": [1, 1]}, {"draft_caps": [1, 2]}, {"samples": -1}):
         args = {"problem_ids": ["a"], "samples": 1} | kw
         with pytest.raises(ValueError):
-            tg.generate_rollouts(llm, [[1]], args.pop("problem_ids"), max_tokens=4, temperature=1.0, **args)
+            loop.generate_rollouts(llm, [[1]], args.pop("problem_ids"), max_tokens=4, temperature=1.0, **args)
     with pytest.raises(RuntimeError, match="never finished"):
-        tg.generate_rollouts(fake_vllm([1, None]), [[1]], ["a"], samples=2, max_tokens=4, temperature=1.0)
+        loop.generate_rollouts(fake_vllm([1, None]), [[1]], ["a"], samples=2, max_tokens=4, temperature=1.0)
 
 
 def test_proposer_counter_list_is_the_proposers():
     import dataclasses
 
-    assert set(tg.PROPOSER_COUNTERS) == {f.name for f in dataclasses.fields(ProposerStats)}
+    assert set(loop.PROPOSER_COUNTERS) == {f.name for f in dataclasses.fields(ProposerStats)}
 
 
 def test_das_rollout_iteration_and_trace_records(fake_vllm):

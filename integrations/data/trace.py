@@ -201,10 +201,10 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def trace_cache_dir() -> Path:
-    """``<cache>/traces`` (``$DAS_CACHE_DIR``, else ``~/.cache/das``). Not created here."""
-    from integrations.data.models import default_cache_dir
+    """``<cache>/traces`` (:func:`das.host.cache_dir`: ``$DAS_CACHE_DIR``, else ``~/.cache/das``). Not created here."""
+    from das.host import cache_dir
 
-    return default_cache_dir() / "traces"
+    return cache_dir() / "traces"
 
 
 def default_trace_data() -> str:

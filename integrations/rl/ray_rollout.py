@@ -73,11 +73,11 @@ class RolloutWorker:
     def generate(self, groups: list[Group], sampling: dict[str, Any], seed: int) -> dict[str, list[list[int]]]:
         """Generate every group; returns ``{group_id: [output token ids per sample]}``.
 
-        Through :func:`integrations.vllm_ext.timed_generate.generate_rollouts` (one ``n=1`` request
+        Through :func:`integrations.vllm_ext.rollouts.generate_rollouts` (one ``n=1`` request
         per sample, ``torch.manual_seed(seed)``); ``sampling`` holds ``SamplingParams`` fields,
         ``temperature`` and ``max_tokens`` among them.
         """
-        from integrations.vllm_ext.timed_generate import generate_rollouts
+        from integrations.vllm_ext.rollouts import generate_rollouts
 
         rest = dict(sampling)
         batch = generate_rollouts(self.llm, [g.prompt_ids for g in groups], [g.problem_id for g in groups], samples=[g.n for g in groups],
@@ -112,7 +112,7 @@ class RayRolloutDriver:
         model: local model directory (every worker loads it).
         method: speculative method of every worker.
         num_workers: N >= 1.
-        interleave: assignment policy, one of ``scheduler.interleave.METHODS`` (``lpt`` default).
+        interleave: how GRPO groups are assigned to workers, one of ``scheduler.interleave.ASSIGNMENTS`` (``lpt`` default).
         max_tokens: rollout max output length (tokens); also the length predictor's range.
         temperature: sampling temperature.
         engine_kwargs: passed to :func:`integrations.vllm_ext.engine.make_llm` in each worker.
@@ -130,7 +130,7 @@ class RayRolloutDriver:
             same methods: ``begin_iteration``, ``generate``, ``pid``).
 
     Raises:
-        ValueError: ``num_workers < 1``, an unknown ``interleave`` policy, or a bad timeout.
+        ValueError: ``num_workers < 1``, an unknown ``interleave`` assignment, or a bad timeout.
     """
 
     def __init__(
@@ -152,13 +152,13 @@ class RayRolloutDriver:
     ):
         import ray
 
-        from scheduler.interleave import METHODS
+        from scheduler.interleave import ASSIGNMENTS
         from scheduler.predictor import LengthPredictor
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"num_workers must be an int >= 1, got {num_workers!r}")
-        if interleave not in METHODS:
-            raise ValueError(f"interleave must be one of {list(METHODS)}, got {interleave!r}")
+        if interleave not in ASSIGNMENTS:
+            raise ValueError(f"interleave must be one of {list(ASSIGNMENTS)}, got {interleave!r}")
         for name, v in (("task_timeout_s", task_timeout_s), ("start_timeout_s", start_timeout_s), ("begin_timeout_s", begin_timeout_s)):
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0):
                 raise ValueError(f"{name} must be a number > 0{' or None' if name == 'task_timeout_s' else ''}, got {v!r}")

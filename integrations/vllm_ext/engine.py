@@ -103,7 +103,7 @@ def make_llm(
         enable_prefix_caching=True,
     )
     if cpu_runtime.is_cpu_build():
-        kwargs["enforce_eager"] = True  # torch.compile costs 30-90 s at start on this CPU
+        kwargs["enforce_eager"] = True  # torch.compile costs tens of seconds at start on a CPU
     if spec is not None:
         kwargs["speculative_config"] = spec
     if das_config:

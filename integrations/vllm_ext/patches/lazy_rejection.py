@@ -3,7 +3,7 @@
 vLLM 0.32's ``rejection_sample`` (``vllm/v1/sample/rejection_sampler.py``) draws an exponential
 over ``[rows, vocab]`` every step to pre-sample a *recovered* token for every row, drafted or not,
 and then runs a pass over ``[draft tokens, vocab]``. On the CPU that is most of the speculative
-path's cost, paid even when no row drafted (benchmarks/README.md, "lazy recovery"). Only one
+path's cost, paid even when no row drafted (docs/benchmarks.md, "vLLM on the CPU: what das fixes"). Only one
 recovered token per row is ever used, the one at the row's first rejection, so this version
 decides acceptance first and samples recovered tokens only for the rejected rows (the "lazy
 recovery" of vLLM PR #41258, which does it for the GPU kernels).

@@ -3,7 +3,7 @@
 With a speculative method configured, vLLM 0.32 builds speculative metadata for every step and
 sends it through the rejection sampler even when no row drafted (``max_spec_len == 0``): the bonus
 tokens are then sampled from the same logits by the same sampler, plus indexing, dtype casts and
-logits processors over empty draft tensors (benchmarks/README.md). This wraps the model runner's
+logits processors over empty draft tensors (docs/benchmarks.md, "vLLM on the CPU: what das fixes"). This wraps the model runner's
 ``_sample`` so that such a step calls the sampler directly, as an engine without speculation does:
 the same call on the same logits, so the same tokens (the sampled token matrix has one column
 either way and is parsed the same).

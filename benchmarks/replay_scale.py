@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from benchmarks._replay_drafters import heap_bytes
+from benchmarks.replay_drafters import heap_bytes
 
 DEPTH = 24
 CHUNK = 4
