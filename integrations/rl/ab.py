@@ -95,6 +95,8 @@ def compare(rec: Recipe, methods: Sequence[str], *, reward_fn: Callable[[Sequenc
     from integrations.rl.workload import Scorer, plan_workload
     from integrations.vllm_ext.cpu_runtime import RuntimeSettings, read_cpu_info
 
+    if not rec.rollout.coupled_sampling:
+        print("das-grpo: note: --compare turns rollout.coupled_sampling on (the methods sample the same rollouts)", file=sys.stderr)
     recs = {m: method_recipe(rec, m) for m in methods}
     work = plan_workload(recs[methods[0]], reward_fn)
     if "reasons" in work.cpu_settings:
@@ -271,6 +273,7 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path | None:
             bottom = [b + v for b, v in zip(bottom, h)]
         for xi, top in zip(x, bottom):
             ax_t.text(xi, top, m, ha="center", va="bottom", fontsize=6, rotation=90)
+    ax_t.margins(y=0.12)  # room for the method names over the bars
     ax_t.set_xlabel("GRPO step")
     ax_t.set_ylabel("seconds")
     sp = report["speedup"].get(methods[-1], {})

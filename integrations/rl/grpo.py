@@ -320,7 +320,6 @@ def run(
     if rec.log.progress and "reasons" in work.cpu_settings:
         print(cpu_runtime.RuntimeSettings(**work.cpu_settings).header(), file=sys.stderr)
     scorer = Scorer(rec, reward_fn)
-    policy = PolicyRun(rec, work, weights_hook=weights_hook)
     spec = rec.speculative
     log_f = None
     if log_path is not None:  # streamed to <log>.partial, moved over <log> when the run completes
@@ -334,7 +333,9 @@ def run(
 
         bar = tqdm(total=rec.steps, desc=f"grpo ({spec.method})", unit="step", file=sys.stderr)
     records: list[dict[str, Any]] = []
+    policy = None
     try:
+        policy = PolicyRun(rec, work, weights_hook=weights_hook)
         policy.warm_up()
         for step in range(rec.steps):
             record, batch, scores = policy.step(step, scorer)
@@ -363,7 +364,8 @@ def run(
             log_f.close()  # a failed run leaves <log>.partial; an earlier <log> stays as it was
         if tracer is not None:
             tracer.close(complete=sys.exc_info()[0] is None)  # failed: <trace>.partial.parquet holds the steps done
-        policy.close()
+        if policy is not None:
+            policy.close()
     summary = summarize(records, spec.method)
     summary.update(final_policy_version=policy.version, engine_dtype=work.engine_dtype)
     if log_f is not None:
