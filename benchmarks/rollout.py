@@ -168,7 +168,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
         engine_method = "das" if method.startswith("das") else method
         das_cfg = dict(base.speculative.das) if engine_method == "das" else None
         llm = make_llm(model_dir, engine_method, num_speculative_tokens=base.speculative.num_speculative_tokens if engine_method != "none" else None,
-                       das_config=das_cfg, dtype=base.rollout.dtype, max_model_len=base.rollout.max_model_len, seed=base.seed)
+                       das_config=das_cfg, dtype=base.rollout.engine_dtype, max_model_len=base.rollout.max_model_len, seed=base.seed)
         budget = request_caps(base, "class") if method == "das-sched" else None
         results[method] = []
         try:

@@ -90,6 +90,39 @@ def test_policy_trainer_step_moves_weights_and_reports_clipping(tiny_model):
     assert tr.step(batch, [0.0, 0.0, 0.0, 0.0])["updates"] == 0
 
 
+@pytest.mark.slow  # torch training steps on the tiny model
+def test_trainers_agree_whatever_torch_drew_before_the_update(tiny_model, tmp_path):
+    # With dropout the update's masks come from (seed, step), not from the global generator that
+    # the engine's sampler shares: two trainers of an A/B agree, and the generator is left as it was.
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from integrations.rl.recipes import TrainSection
+    from integrations.rl.trainer import PolicyTrainer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    model.config.attention_dropout = 0.5
+    model.save_pretrained(tmp_path / "dropout")
+    AutoTokenizer.from_pretrained(tiny_model).save_pretrained(tmp_path / "dropout")
+    cfg = TrainSection(lr=1e-2, mini_batches=2, micro_batch_tokens=64)
+    batch = [([1, 5, 9, 13], [20, 21, 22, 2]), ([1, 5, 9, 14], [30, 31, 2]), ([1, 6], [40, 41, 42, 43, 2])]
+    adv = [1.0, -1.0, 0.5]
+    runs = []
+    for draws in (3, 11):
+        tr = PolicyTrainer(str(tmp_path / "dropout"), cfg, seed=0)
+        torch.manual_seed(draws)
+        torch.rand(draws)  # the engine sampled something before the update
+        state = torch.get_rng_state()
+        m = tr.step(batch, adv)
+        assert torch.equal(torch.get_rng_state(), state)
+        runs.append((m, tr.model.state_dict()))
+    assert runs[0][0] == runs[1][0] and all(torch.equal(runs[0][1][k], runs[1][1][k]) for k in runs[0][1])
+    # the control: dropout is on (one mini-batch, so the seed changes nothing but the masks)
+    one = TrainSection(lr=1e-2, mini_batches=1, micro_batch_tokens=64)
+    losses = [PolicyTrainer(str(tmp_path / "dropout"), one, seed=seed).step(batch, adv)["loss"] for seed in (0, 1)]
+    assert losses[0] != losses[1]
+
+
 # ---- weight sync into a running engine
 
 

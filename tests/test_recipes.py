@@ -29,9 +29,26 @@ from integrations.rl.recipes import (
 @pytest.mark.parametrize("name", ["grpo_dsr_sub", "grpo_leetcode"])
 def test_shipped_loop_recipes_load(name):
     r = load_recipe(name)
-    assert isinstance(r, Recipe) and r.speculative.method == "das" and r.steps >= 10
+    assert isinstance(r, Recipe) and r.speculative.method == "das"
     assert r.data in ("dsr_sub", "leetcode")
     assert load_recipe(RECIPES_DIR / f"{name}.yaml").to_dict() == r.to_dict()
+
+
+@pytest.mark.parametrize("name", ["grpo_dsr_sub", "grpo_leetcode"])
+def test_shipped_loop_recipes_show_the_tail_on_recurring_problems(name):
+    # issue 50: 5 steps or more, rollouts up to 1024 tokens, problems revisited, this machine's engine
+    # dtype, and coupled sampling (the same rollouts with and without speculation)
+    r = load_recipe(name)
+    assert r.steps >= 5 and r.rollout.max_tokens >= 1024 and r.rollout.max_model_len >= r.rollout.max_tokens + 512
+    assert r.pool is not None and r.steps * r.rollout.prompts_per_step >= 2 * r.pool  # every problem drawn twice on average
+    assert r.rollout.dtype == "auto" and r.rollout.engine_dtype is None and r.rollout.coupled_sampling
+
+
+def test_engine_dtype_is_auto_by_default_and_the_users_value_wins():
+    assert Recipe().rollout.dtype == "auto" and Recipe().rollout.engine_dtype is None
+    for d in ("float32", "bfloat16", "float16"):
+        r = load_recipe("grpo_dsr_sub", [f"rollout.dtype={d}"])
+        assert r.rollout.dtype == r.rollout.engine_dtype == d
 
 
 def test_recipe_overrides_and_errors():
@@ -75,7 +92,7 @@ def test_recipe_overrides_and_errors():
     ("reward.require_boxed=maybe", r"reward\.require_boxed must be true or false"),
     ("reward.network=open", r"reward\.network"),
     ("reward.sandbox=none", r"set reward\.network to 'allow'"),
-    ("reward.overlong_buffer=300", r"overlong_buffer \(300\) must be < rollout\.max_tokens"),
+    ("reward.overlong_buffer=2000", r"overlong_buffer \(2000\) must be < rollout\.max_tokens"),
     ("train.betas=[2, 3]", r"train\.betas must be two numbers"),
     ("train.lr=0", r"train\.lr"),
     ("log.json=5", r"log\.json must be null or a path"),

@@ -98,9 +98,14 @@ class RolloutSection:
     max_tokens: int = 256
     temperature: float = 0.6  # 0 = greedy
     top_p: float = 1.0
-    dtype: str = "bfloat16"  # vLLM engine dtype
+    dtype: str = "auto"  # vLLM engine dtype; auto: this machine's (integrations.vllm_ext.cpu_runtime; bfloat16 on CUDA)
     max_model_len: int = 1024
     coupled_sampling: bool = False  # key each rollout's sampling (integrations.vllm_ext.patches.coupled_sampling)
+
+    @property
+    def engine_dtype(self) -> str | None:
+        """The dtype to build the engine with: None for ``auto`` (the engine factory decides from the CPU)."""
+        return None if self.dtype == "auto" else self.dtype
 
 
 @dataclasses.dataclass
