@@ -140,11 +140,11 @@ def test_methods_and_their_recipes():
     for bad, match in (("none,eagle", "unknown methods"), ("das", "two or more"), ("das,das", "two or more")):
         with pytest.raises(ValueError, match=match):
             parse_methods(bad)
-    rec = load_recipe("grpo_dsr_sub", ["scheduler.policy=class", "rollout.coupled_sampling=false", "log.json=null"])
+    rec = load_recipe("grpo_dsr_sub", ["scheduler.budget=class", "rollout.coupled_sampling=false", "log.json=null"])
     none, das, ngram = (method_recipe(rec, m) for m in ("none", "das", "ngram"))
-    assert (none.speculative.method, none.scheduler.policy, none.rollout.coupled_sampling) == ("none", "none", True)
-    assert (das.speculative.method, das.scheduler.policy, das.speculative.num_speculative_tokens) == ("das", "class", 16)
-    assert ngram.speculative.num_speculative_tokens == 16 and ngram.scheduler.policy == "none"
+    assert (none.speculative.method, none.scheduler.budget, none.rollout.coupled_sampling) == ("none", None, True)
+    assert (das.speculative.method, das.scheduler.budget, das.speculative.num_speculative_tokens) == ("das", "class", 16)
+    assert ngram.speculative.num_speculative_tokens == 16 and ngram.scheduler.budget is None
     assert das.to_dict()["train"] == none.to_dict()["train"] == rec.to_dict()["train"]
 
 
