@@ -171,6 +171,31 @@ class LengthPredictor:
         self._newest = max(self._newest, v)
         self._dirty = True
 
+    def resized(self, max_tokens: int) -> LengthPredictor:
+        """A predictor for rollouts of up to ``max_tokens`` tokens, with this one's settings and
+        history: what a longer request calls for when the history was sized by shorter ones
+        (an engine's warm-up requests, say).
+
+        Raises:
+            ValueError: ``max_tokens`` is below this predictor's ``max_tokens``.
+        """
+        if not isinstance(max_tokens, (int, np.integer)) or max_tokens < self.max_tokens:
+            raise ValueError(f"max_tokens must be an int >= {self.max_tokens}, got {max_tokens!r}")
+        out = LengthPredictor(
+            int(max_tokens),
+            window=self.window,
+            bounds=self.fixed_bounds,
+            cold_bounds=(self.cold_bounds[0] / self.max_tokens, self.cold_bounds[1] / self.max_tokens),
+            min_history=self.min_history,
+            n_bins=self.n_bins,
+            min_survivors=self.min_survivors,
+        )
+        for pid, versions in self._history.items():
+            for v, parts in versions.items():
+                for x in parts:
+                    out.observe(pid, v, x)
+        return out
+
     def observe_trace(self, rollouts: Iterable[Any]) -> None:
         """Record rollouts of a trace (``integrations.data.trace.Rollout``-like: ``problem_id``,
         ``policy_version``, ``output_ids``)."""

@@ -59,3 +59,18 @@ def test_length_history_keeps_lengths_until_a_predictor_exists_and_caps_them():
     h.finished("q", 10)
     h.flush(3)
     assert pred.history_lengths("q").tolist() == [10]
+
+
+def test_length_history_resizes_the_predictor_for_longer_requests_and_keeps_its_history():
+    h = LengthHistory()
+    h.finished("warm", 16)
+    short = h.predictor(np.array([16]), policy_version=0)  # an engine's warm-up requests come first
+    assert short.max_tokens == 16
+    long = h.predictor(np.array([16, 1024]), policy_version=0)
+    assert long.max_tokens == 1024 and h.model is long
+    assert long.history_lengths("warm").tolist() == [16]
+    assert long.index(["warm"]).tolist() == short.index(["warm"]).tolist()
+    h.finished("p", 900)
+    h.flush(1)
+    assert long.history_lengths("p").tolist() == [900]  # no longer capped at 16
+    assert h.predictor(np.array([512]), policy_version=1) is long  # a shorter request keeps the size

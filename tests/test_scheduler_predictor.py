@@ -128,3 +128,16 @@ def test_evaluation_beats_the_global_mean_on_problem_structured_lengths():
     assert set(out["checkpoints"]) == {"0", "4096"}
     with pytest.raises(ValueError, match="2 policy versions"):
         evaluate_predictor(["a"], [0], [10], MAX)
+
+
+def test_resized_keeps_settings_and_history_and_refuses_to_shrink():
+    p = LengthPredictor(256, window=4, min_history=5, n_bins=64)
+    p.observe("a", 0, [10, 200])
+    p.observe("b", 1, [256])
+    q = p.resized(1024)
+    assert (q.max_tokens, q.window, q.min_history, q.n_bins) == (1024, 4, 5, 64)
+    assert q.cold_bounds == (256.0, 512.0)  # the same fractions of the new size
+    assert sorted(q.history_lengths("a").tolist()) == [10, 200] and q.history_lengths("b").tolist() == [256]
+    assert q.index(["a", "b"]).tolist() == p.index(["a", "b"]).tolist()
+    with pytest.raises(ValueError, match="max_tokens"):
+        p.resized(128)

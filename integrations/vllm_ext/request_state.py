@@ -125,7 +125,9 @@ class LengthHistory:
     """The length history behind the length-aware budgets: the output lengths of the rollouts
     seen to finish, per problem, added to the predictor at each :meth:`flush` (a new policy
     version). The predictor is built on first use (:meth:`predictor`), sized by the largest
-    ``max_tokens`` of the requests then running."""
+    ``max_tokens`` of the requests then running, and resized (its history kept) when a request
+    with a larger ``max_tokens`` runs: an engine's short warm-up requests must not cap every later
+    prediction at their length."""
 
     def __init__(self):
         self.model: LengthPredictor | None = None
@@ -137,10 +139,13 @@ class LengthHistory:
 
     def predictor(self, max_tokens: np.ndarray, policy_version: int) -> LengthPredictor:
         """The predictor (built now if it is not yet: ``max(max_tokens)`` tokens at most, the
-        lengths so far added at ``policy_version``)."""
+        lengths so far added at ``policy_version``); resized when ``max(max_tokens)`` exceeds its size."""
+        need = int(np.max(max_tokens))
         if self.model is None:
-            self.model = LengthPredictor(int(np.max(max_tokens)))
+            self.model = LengthPredictor(need)
             self.flush(policy_version)
+        elif need > self.model.max_tokens:
+            self.model = self.model.resized(need)
         return self.model
 
     def flush(self, policy_version: int) -> None:
