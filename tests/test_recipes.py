@@ -138,6 +138,7 @@ def test_verl_overlay_yaml_matches_the_builder_and_checks():
     assert check_das_engine_kwargs(ek) == {"window": 16, "decay": 0.9, "budget": "cost"}
 
 
+@pytest.mark.slow  # imports vLLM (several seconds of CPU); the fast loop stays free of it
 def test_verl_engine_kwargs_reach_vllm_speculative_and_additional_config():
     """verl turns engine_kwargs.vllm into `vllm serve` arguments; parse them with vLLM's own parser."""
     from vllm.engine.arg_utils import EngineArgs

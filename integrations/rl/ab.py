@@ -5,7 +5,7 @@ each (:class:`integrations.rl.grpo.PolicyRun`), alternating the methods step by 
 A, ...) so that drift in the machine's speed falls on every method alike. Everything that decides
 what a run learns is shared (:func:`integrations.rl.workload.plan_workload`): the problems of every
 step, their prompts, the seeds of the engines and of the trainers, the initial weights. Coupled
-sampling is on (:mod:`integrations.vllm_ext.coupled_sampling`): a rollout's token at each index is
+sampling is on (:mod:`integrations.vllm_ext.patches.coupled_sampling`): a rollout's token at each index is
 fixed by its sample key (from the step's seed and its place in the batch) and the policy's
 distribution there, whatever the drafts. So where the engines' logits agree bit for bit (float32)
 every method samples the same rollouts, gets the same rewards (a rollout sampled by several methods

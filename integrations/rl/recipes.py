@@ -1,55 +1,25 @@
 """Recipes: our GRPO loop's YAML, and DAS overlays for verl and NeMo-RL (checked without either).
 
-Our loop
---------
-:func:`load_recipe` reads a YAML file (``recipes/grpo_dsr_sub.yaml`` and friends) into a
+Our loop: :func:`load_recipe` reads a YAML file (``recipes/grpo_dsr_sub.yaml`` and friends) into a
 :class:`Recipe`: model, data, rollout, speculative decoding (DAS settings), length-aware scheduler,
 reward, training and logging, all in one place, with unknown keys rejected by name. Overrides are
 ``section.key=value`` strings (values parsed as YAML), as on a Hydra command line.
 
-verl (checked against verl ``main`` at commit 1dda039b, 2026-08-22, version ``0.10.0.dev``, after
-release v0.9.0; files ``verl/trainer/config/rollout/rollout.yaml``,
-``verl/workers/rollout/vllm_rollout/vllm_async_server.py``, ``.../vllm_rollout/utils.py``,
-``verl/experimental/agent_loop/agent_loop.py``, ``single_turn_agent_loop.py``)
-------------------------------------------------------------------------------------------
-* ``actor_rollout_ref.rollout.engine_kwargs.vllm`` is a free dict that ``vLLMHttpServer.launch_server``
-  merges last into the ``vllm serve`` arguments (``build_cli_args_from_config``: a dict value
-  becomes its JSON string, ``True`` a bare flag). So ``engine_kwargs.vllm.speculative_config``
-  reaches vLLM's ``--speculative-config`` and ``engine_kwargs.vllm.additional_config`` reaches
-  ``--additional-config`` (the ``das`` section). Only when ``rollout.mtp.enable_rollout`` is on
-  does verl rebuild ``speculative_config`` itself (MTP), so leave MTP off. On the command line
-  these are new keys of an empty dict: prefix them with ``+`` (:func:`verl_cli_overrides`).
-* ``rollout.disable_log_stats`` defaults to True in verl; set it False to get vLLM's
-  speculative-decoding counters.
-* Per-request fields: the agent loop's ``sampling_params`` dict goes unchanged into
-  ``SamplingParams(**sampling_params)`` in ``vLLMHttpServer.generate``, so an ``extra_args`` key
-  there reaches our proposer. The single-turn agent loop does not set one; the dataset fields
-  (``index``, ``data_source``, ``extra_info``, ``uid``...) arrive as the loop's ``run(**kwargs)``.
-  :func:`verl_das_agent_loop` (registered through ``rollout.agent.agent_loop_config_path``,
-  selected by ``rollout.agent.default_agent_loop``) subclasses verl's ``SingleTurnAgentLoop`` and
-  adds ``extra_args={"das_problem_id": ...}`` (and an optional ``das_max_draft_tokens``). Without
-  it the proposer keys problems by a hash of the prompt tokens, which also groups a GRPO group
-  and revisits, as long as the prompt text does not change between epochs.
-* Policy versions: verl drives the weight sync (``vLLMColocateWorkerExtension.update_weights_from_ipc``
-  calls ``model_runner.model.load_weights`` in every vLLM worker, bucket by bucket), so the
-  overlay names :class:`integrations.vllm_ext.weight_sync.SyncAwareDASProposer`, which advances the
-  drafter window at the first engine step after any weight load.
+verl (checked against verl ``main`` at 1dda039b, 0.10.0.dev): :func:`verl_overlay` fills
+``actor_rollout_ref.rollout.engine_kwargs.vllm`` (``speculative_config`` and ``additional_config``,
+which verl passes to ``vllm serve``; MTP rollout must stay off, since it rebuilds
+``speculative_config``) and turns ``disable_log_stats`` off; :func:`verl_cli_overrides` writes it
+as Hydra overrides (``+`` for new keys); :func:`verl_das_agent_loop` is verl's single-turn agent loop
+plus ``SamplingParams.extra_args={"das_problem_id": ...}``.
 
-NeMo-RL (checked against NVIDIA-NeMo/RL ``main`` at commit 7ea279ab, 2026-08-22, after v0.7.0;
-``nemo_rl/models/generation/vllm/vllm_worker.py``, ``vllm_backend.py``,
-``examples/configs/grpo_math_1B.yaml``)
-------------------------------------------------------------------------------------------
-* ``policy.generation.vllm_kwargs`` is deep-copied and spread last into ``vllm.LLM(...)``
-  (``**vllm_kwargs``), so ``speculative_config`` and ``additional_config`` pass unchanged; NeMo-RL
-  already sets ``disable_log_stats=False``. A ``speculative_config`` with
-  ``num_speculative_tokens: 0`` is NeMo-RL's way to switch speculation off.
-* Per-request fields: ``_build_sampling_params`` sets no ``extra_args``, so problems are keyed
-  by the prompt-token hash (see above).
-* Refit calls ``self.model_runner.model.load_weights(weights=...)`` in each worker, so
-  :class:`~integrations.vllm_ext.weight_sync.SyncAwareDASProposer` advances versions there too.
-* vLLM workers run in NeMo-RL's own virtual environment: das must be importable there
-  (``policy.generation.vllm_cfg.env_vars.PYTHONPATH`` pointing at a das checkout, or install das
-  into that environment).
+NeMo-RL (checked against NVIDIA-NeMo/RL ``main`` at 7ea279ab): :func:`nemo_rl_overlay` fills
+``policy.generation.vllm_kwargs`` (spread into ``vllm.LLM``) and the workers' ``PYTHONPATH``;
+problems are keyed by a hash of the prompt tokens (NeMo-RL sets no ``extra_args``).
+
+Both frameworks own the weight sync, so the overlays name
+:class:`integrations.vllm_ext.weight_sync.SyncAwareDASProposer`, which advances the drafter window at
+the first engine step after a weight load. How each key travels through the framework, the files
+checked and the tested versions: ``recipes/README.md``.
 """
 
 from __future__ import annotations
