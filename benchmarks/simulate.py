@@ -15,8 +15,10 @@ workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
 * Speculation budgets (``--budgets``, also ``--policies``; the scheduler's own classes, :mod:`scheduler.budgets`, one
   instance per GPU through :mod:`benchmarks._sim_budget`): ``none``, ``fixed`` (the paper's
   unlimited draft budget), ``cost`` (the product's default: the draft tokens that pay at the step's
-  price) and ``makespan``, priced by the Eq. 1 line fitted offline to the step-cost model with
-  candidates' probabilities from the acceptance model; ``class-eq9`` (the published class
+  price) and ``makespan``, priced as in the product by the step price fitted online to the GPU's
+  step times (:class:`scheduler.knee_cost.KneeCost`: it learns the roofline's knee), with
+  candidates' probabilities from the acceptance model (``--price-ablations``: also priced by the
+  Eq. 1 line fitted offline, and by the roofline's own price); ``class-eq9`` (the published class
   policy), ``class-roofline`` (ours), ``eq7`` (Eq. 7 / 9 per request); all speculative ones KV-aware.
   The budget the product ships is :class:`das.config.DASConfig`'s default (``shipped_budget``).
 * Placements (:mod:`benchmarks._sim_place`): ``none``, ``lpt``, ``split``, ``rebalance``.
@@ -25,7 +27,9 @@ JSON: ``paper_setting.<budget>[+<placement>]`` (no suffix: placement ``none``) w
 (mean over seeds), ``makespan_s_ci95`` (half-width of the 95% t-interval, seconds), ``seeds``
 (how many), ``makespan_s_per_seed``, ``cut_vs_none`` (paired, per seed, against ``none`` without
 placement) and its ``cut_vs_none_ci95``, tokens, drafts, preemptions, moves ...; ``validation``
-(the paper's Figs. 1, 4, 8, 10 against the simulator's), ``setting``, ``costs``, ``lengths``,
+(the paper's Figs. 1, 4, 8, 10 against the simulator's; ``shipped_vs_paper`` and
+``shipped_vs_roofline``: the shipped budget against ``class-eq9`` and ``class-roofline``, paired
+per seed), ``setting``, ``costs``, ``lengths``,
 ``ablations`` (with ``--ablations``) and ``sweep`` (with ``--sweep``, :mod:`benchmarks._sim_sweep`).
 """
 
@@ -167,7 +171,7 @@ def requests_factory(work: dict[str, Any], params: EngineParams, rows: np.ndarra
 
 
 # ----------------------------------------------------------------------------- one run
-def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None, price: str = "linear") -> dict[str, Any]:
+def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None, price: str = "online") -> dict[str, Any]:
     """One iteration under speculation budget ``budget`` and ``placement``; returns its summary. ``price``: of a priced budget (:class:`benchmarks._sim_budget.SimBudget`)."""
     req = fresh()
     P, S = work["lengths"].shape
@@ -194,8 +198,9 @@ def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: En
         "_stats_pos": info["stats_pos"],
         "_stats_sib": info["stats_sib"],
     }
-    if gpus[0].budget.budget.uses_cost_fit:
-        out["cost_fit_gpu0"] = gpus[0].budget.cost_fit()
+    fit = gpus[0].budget.cost_fit()
+    if fit is not None:
+        out["cost_fit_gpu0"] = fit
     if keep:
         out["_curves"] = [(g.records()["t"], g.records()["b"]) for g in gpus]
         out["_finish"] = req.finish.copy()
@@ -320,7 +325,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sibling-gain", type=float, default=AcceptanceModel.sibling_gain, help="capacity gain once all siblings on the engine finished")
     ap.add_argument("--additive-cost", action="store_true", help="step cost compute + memory instead of max (the old model)")
     ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, class-eq9 without its batch gate, class-roofline with it, and the KV-tight setting")
-    ap.add_argument("--knee-price", action="store_true", help="also run the priced budgets (cost, makespan; placement none) priced by the roofline's own step price with its knee (an experiment: the product's price is linear)")
+    ap.add_argument("--price-ablations", action="store_true", help="also run the priced budgets (cost, makespan; placement none) priced by the Eq. 1 line fitted offline and by the roofline's own step price with its knee (what a perfect online fit would know)")
     ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best budget)")
     ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
     ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
@@ -387,8 +392,8 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     configs = [(p, pl) for pl in placements for p in names]
     if args.extras:
         configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
-    if args.knee_price:
-        configs += [(p, "none", True, "knee") for p in names if budgets.BUDGETS[p].priced]
+    if args.price_ablations:
+        configs += [(p, "none", True, price) for price in ("linear", "roofline") for p in names if budgets.BUDGETS[p].priced]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)
@@ -405,9 +410,9 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             variant = cfg[3] if len(cfg) > 3 else ""
             gate = (-1 if budgets.BUDGETS[pol].gate >= 0 else DAS_GATE) if variant == "gate-flip" else None  # its gate off, or one on
             name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if gate < 0 else f" (gate {gate})") if gate is not None else "")
-            name += " (knee price)" if variant == "knee" else ""
+            name += {"linear": " (offline line price)", "roofline": " (roofline price)"}.get(variant, "")
             r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate,
-                           price="knee" if variant == "knee" else "linear")
+                           price=variant if variant in ("linear", "roofline") else "online")
             per_seed.setdefault(name, []).append(r)
             if pl == "none" and kv and not variant:
                 prof = profiles.setdefault(pol, [np.zeros_like(r["_stats_pos"]), np.zeros_like(r["_stats_sib"])])
@@ -443,6 +448,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
         "fig8_makespan": {"paper": "DAS cuts rollout time by more than 50% (7B, DSR-sub, 16K, 8 H100)", "best_length_aware": best, "best_cut": table[best]["cut_vs_none"] if best else None, "best_cut_ci95": table[best]["cut_vs_none_ci95"] if best else None},
         "fig10_unlimited_vs_length_aware": {"paper": "an unlimited draft budget was up to 15% worse than the length-aware one", "simulator": fig10},
         "shipped_vs_paper": shipped_vs(table, PAPER_BUDGET),
+        "shipped_vs_roofline": shipped_vs(table, "class-roofline"),
     }
     plot_path = None
     if args.plot and args.plot.lower() != "none" and curves and accept:

@@ -28,8 +28,10 @@ requests, keeps their state, counts, isolates failures and writes the step log.
 Step log: with ``DAS_STEP_LOG`` set to a file path, every clean decode step is appended to it as
 one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens, accepted draft tokens and what
 its drafts' calibrated probabilities predicted, its seconds, whether the cost fit used it
-(``false``: an idle gap or a warm-up step) and the two-regime fit after it (``null`` before one
-exists); each line has its ``pid`` (engines in several processes may share one file).
+(``false``: an idle gap or a warm-up step) and the step price fitted after it (``null`` before one
+exists; ``knee``: tokens verified below which drafts are free, 0 for the line; ``c_ctx``: seconds
+per KV token read, 0 for the line); each line has its ``pid`` (engines in several processes may
+share one file).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ _INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 
 BUDGETS = budgets.names("proposer")  # the budgets that run here (scheduler.budgets)
 STEP_LOG_FIELDS = ("pid", "t", "rows", "draft_tokens", "accepted", "predicted", "seconds", "step_tokens", "context_tokens",
-                   "fitted", "c_base", "c_row", "c_draft", "c_spec", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
+                   "fitted", "c_base", "c_row", "c_draft", "c_spec", "c_ctx", "knee", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
 
 
 @dataclasses.dataclass
