@@ -48,6 +48,7 @@ from scheduler.cost_model import CostModel
 from scheduler.knee_cost import KneeCost
 from scheduler.planner import PLAIN_EVERY, PLAIN_PAYOFF
 from scheduler.step_price import LinearPrice
+from scheduler.tail_drafts import BATCH_DRAFT, TailDrafts
 
 BUDGETS = budgets.names("simulator")  # none, fixed, cost, makespan, class-eq9, class-roofline, eq7
 QUOTA_MODES = {None: 0, "fixed": 1, "knee": 2}  # a budget's quota rule -> the step loop's quota_mode
@@ -60,17 +61,20 @@ class SimBudget:
     Args:
         budget: the budget (:func:`scheduler.budgets.make_budget`).
         predictor: the length predictor of the workload (None: the budget reads no lengths).
-        max_draft: K.
+        max_draft: K, the engine's most draft tokens per row and step.
         linear_cost: ``{"c_base", "c_tok"}``, the Eq. 1 line fitted offline (a priced budget's price).
         cost: the online cost model an ``uses_cost_fit`` budget reads (fed by :meth:`observe`).
         seed: seed of the step-time noise the cost model sees.
         noise: relative noise of those step times.
         kv_aware: drafts never force a preemption.
         price: of a priced budget, one of :data:`PRICES` (module doc).
+        batch_draft: the most draft tokens per row before the long tail
+            (:class:`scheduler.tail_drafts.TailDrafts`, as the product's planner: a priced budget's
+            rows may draft up to K in the tail).
     """
 
     def __init__(self, budget: Budget, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, cost: CostModel | None = None,
-                 seed: int = 0, noise: float = 0.05, kv_aware: bool = True, price: str = "online"):
+                 seed: int = 0, noise: float = 0.05, kv_aware: bool = True, price: str = "online", batch_draft: int = BATCH_DRAFT):
         if price not in PRICES:
             raise ValueError(f"price must be one of {PRICES}, got {price!r}")
         self.price = price
@@ -81,6 +85,7 @@ class SimBudget:
         self.name = budget.name
         self.pred = predictor
         self.max_draft = int(max_draft)
+        self.tail = TailDrafts(self.max_draft, batch_draft, extends=budget.priced)
         self.linear_cost = linear_cost
         self.cost = cost
         self.dynamic = not budget.static
@@ -107,7 +112,7 @@ class SimBudget:
         """Caps and priority of ``rows`` (the GPU's running rows; all its members for a static budget)."""
         r = gpu.req
         n = rows.size
-        step = StepView(np.full(n, self.max_draft, np.int64), facts=lambda: RowFacts(
+        step = StepView(self.tail.limit(np.full(n, self.max_draft, np.int64)), facts=lambda: RowFacts(
             self.pred, r.problem_idx[rows], r.gen[rows], np.full(n, float(gpu.p.max_tokens)), r.drafted[rows], r.accepted[rows],
             r.steps[rows], context=r.prompt[rows] + r.gen[rows]))
         caps = self.budget.plan(step)
@@ -183,9 +188,10 @@ class SimBudget:
 
 
 def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, seed: int = 0,
-                    kv_aware: bool = True, price: str = "online") -> SimBudget:
-    """A fresh per-GPU budget ``name`` (one offered in the simulator). ``linear_cost``: the offline
-    Eq. 1 fit (``c_base``, ``c_tok``).
+                    kv_aware: bool = True, price: str = "online", batch_draft: int = BATCH_DRAFT) -> SimBudget:
+    """A fresh per-GPU budget ``name`` (one offered in the simulator). ``max_draft``: K;
+    ``linear_cost``: the offline Eq. 1 fit (``c_base``, ``c_tok``); ``batch_draft``: the cap before
+    the long tail (:class:`SimBudget`).
 
     Raises:
         ValueError: an unknown or former name (the message gives the valid or the new one).
@@ -194,4 +200,4 @@ def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int
     offline = (linear_cost["c_base"], linear_cost["c_tok"]) if "c_base" in linear_cost else None
     setting = budgets.BudgetSetting(max_draft=max_draft, cost=cost, offline_cost=offline, seed=seed)
     budget = budgets.make_budget(name, "simulator", setting)
-    return SimBudget(budget, predictor, max_draft, linear_cost, cost=cost, seed=seed, kv_aware=kv_aware, price=price)
+    return SimBudget(budget, predictor, max_draft, linear_cost, cost=cost, seed=seed, kv_aware=kv_aware, price=price, batch_draft=batch_draft)

@@ -112,7 +112,7 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
     roof = out["costs"]["roofline"]
     lin = out["costs"]["eq1_offline_fit"]
     print(f"{key}: {s['prompts']} prompts x {s['samples']} samples on {s['gpus']} GPUs, max {s['max_tokens']} tokens, "
-          f"K={s['max_draft']}, {s['seeds']} seeds (mean +- 95% t-interval)")
+          f"K={s['max_draft']} (batch {s.get('batch_draft', s['max_draft'])}), {s['seeds']} seeds (mean +- 95% t-interval)")
     print(f"lengths (all seeds): mean {ls['mean']:.0f}, median {ls['median']:.0f}, p90 {ls['p90']:.0f}, "
           f"at cap {100 * ls['capped_share']:.1f}% (in a repetition loop: {100 * ls['loop_share']:.1f}% of all rollouts)")
     print(f"roofline step: launch {1e3 * roof['launch_s']:.1f} ms + max(compute at {roof['flops_per_s'] / 1e12:.0f} TFLOP/s, "
@@ -178,7 +178,8 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
     if acc:
         sib = acc["tokens_per_step_by_finished_siblings"]
         pos = acc["position_tokens"]
-        print(f"validation Fig. 4 (fixed, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, "
+        k_fixed = min(s["max_draft"], s.get("batch_draft", s["max_draft"]))
+        print(f"validation Fig. 4 (fixed, K={k_fixed}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, "
               f"in loops {acc['overall_tokens_per_step_in_loops']:.2f}; by finished siblings on the engine ("
               + ", ".join(f"{c}: {x:.2f}" for c, x in enumerate(sib) if c % 5 == 0 or c == len(sib) - 1)
               + "); all rows by position (K tokens): "

@@ -137,7 +137,7 @@ def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am:
         req = fresh()
 
         def factory(g: int, pol=pol):
-            return make_sim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g)
+            return make_sim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g, batch_draft=params.batch_draft)
 
         gpus, _ = run_cluster(req, local_gpu, n_gpus, factory, params, gpu_ids=chosen, seed=seed)
         crit = max(gpus, key=lambda g: g.makespan_s)

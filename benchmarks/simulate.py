@@ -178,7 +178,8 @@ def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: En
     pred = work["predictor"]
     gpu_of = assign(P, S, n_gpus, placement, pred, work["problem_ids"])
     def factory(g: int):
-        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price)
+        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price,
+                            batch_draft=params.batch_draft)
         if gate is not None:
             b.gate = gate
         return b
@@ -313,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--max-draft", type=int, default=16, help="K: most draft tokens per row and step")
+    ap.add_argument("--max-draft", type=int, default=32, help="K: the engine's most draft tokens per row and step (a priced budget's rows in the long tail)")
+    ap.add_argument("--batch-draft", type=int, default=16, help="most draft tokens per row and step before the long tail (scheduler.tail_drafts)")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
     ap.add_argument("--budgets", "--policies", dest="budgets", default=",".join(BUDGETS),
                     help=f"speculation budgets, a comma-separated subset of {','.join(BUDGETS)}")
@@ -359,8 +361,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from dataclasses import replace
 
         roof = replace(roof, kv_capacity_tokens=int(args.kv_capacity))
-    params = EngineParams(roof=roof, max_draft=args.max_draft, replan_every=args.replan_every, drafter_ms_per_256=args.drafter_ms_per_256, max_tokens=args.max_tokens, additive_cost=args.additive_cost)
-    linear = fit_linear_cost(roof, max_draft=args.max_draft)
+    params = EngineParams(roof=roof, max_draft=args.max_draft, batch_draft=args.batch_draft, replan_every=args.replan_every, drafter_ms_per_256=args.drafter_ms_per_256, max_tokens=args.max_tokens, additive_cost=args.additive_cost)
+    linear = fit_linear_cost(roof, max_draft=min(args.batch_draft, args.max_draft))
     am = AcceptanceModel(loop_accept=args.loop_accept, sibling_gain=args.sibling_gain)
     out: dict[str, Any] = {}
     if not args.sweep_only:
@@ -453,7 +455,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     plot_path = None
     if args.plot and args.plot.lower() != "none" and curves and accept:
         show = {n: curves[n] for n in dict.fromkeys(("none", "fixed", SHIPPED, PAPER_BUDGET, best_none)) if n in curves}
-        plot_path = plot_validation(table, show, accept, Path(args.plot), f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {args.max_tokens} tokens, K={args.max_draft}, {args.seeds} seeds")
+        plot_path = plot_validation(table, show, accept, Path(args.plot), f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {args.max_tokens} tokens, K={args.max_draft} (batch {args.batch_draft}), {args.seeds} seeds")
 
     ls = length_stats(lengths, args.max_tokens)
     ls["loop_share"] = float(np.concatenate(loops_all).mean())
@@ -469,6 +471,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             "samples": n_s,
             "max_tokens": args.max_tokens,
             "max_draft": args.max_draft,
+            "batch_draft": args.batch_draft,
             "replan_every": args.replan_every,
             "seeds": args.seeds,
             "das_quota_tokens_per_step": DAS_QUOTA,

@@ -11,6 +11,8 @@
   :mod:`scheduler.regime_cost` (the two-regime line) and :mod:`scheduler.knee_cost`
   (:class:`KneeCost`: the line, or a knee below which draft tokens are free) fit it online.
 * :mod:`scheduler.draft_selection`: which draft tokens pay for their verification at a price.
+* :mod:`scheduler.tail_drafts`: :class:`TailDrafts`, the per-row draft cap: 16 before the long
+  tail, the engine's K in it for a priced budget.
 * :mod:`scheduler.budget_protocol`: what a speculation budget is (:class:`Budget`,
   :class:`StepView`, :class:`Drafts`); the budgets: :mod:`scheduler.budgets` (the registry of
   names, ``none``, ``fixed``), :mod:`scheduler.class_budgets` (``class``, ``class-eq9``,
@@ -38,6 +40,7 @@ from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredicto
 from scheduler.priced_budgets import CostBudget, MakespanBudget
 from scheduler.speculation import RequestCaps, SpeculationScheduler, static_budgets
 from scheduler.step_price import LinearPrice
+from scheduler.tail_drafts import BATCH_DRAFT, TailDrafts
 
 __all__ = [
     "DEFAULT_A",
@@ -61,6 +64,8 @@ __all__ = [
     "Eq7Plan",
     "Eq7Solver",
     "LinearPrice",
+    "BATCH_DRAFT",
+    "TailDrafts",
     "StepPlanner",
     "optimal_proposals",
     "round_caps",

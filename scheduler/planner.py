@@ -28,6 +28,9 @@ step to a :class:`StepPlanner`, which owns everything that is measured and decid
   decision, and in a long tail it costs the last rows a whole step's accepted drafts. After 32 steps in
   a row where drafting could not pay, one exploration step drafts the first token of the likeliest
   rows to re-measure acceptance.
+* **The draft cap** (:class:`scheduler.tail_drafts.TailDrafts`): a row drafts at most
+  :data:`scheduler.tail_drafts.BATCH_DRAFT` tokens before the long tail and up to the engine's K
+  in it, where a priced budget keeps what pays.
 * **The budget** (:mod:`scheduler.budget_protocol`): its caps before the drafter runs; for a
   priced budget, whether any draft can pay (else the drafter is not asked), where the drafts may
   stop (the same drafts, fewer lookups; drafted again at the safe bound when a guessed cut fails
@@ -55,6 +58,7 @@ from scheduler.draft_selection import raw_cutoffs
 from scheduler.knee_cost import KneeCost
 from scheduler.priced_budgets import DraftCut
 from scheduler.step_price import LinearPrice
+from scheduler.tail_drafts import BATCH_DRAFT, TailDrafts
 
 __all__ = ["PLAIN_EVERY", "PLAIN_PAYOFF", "SCREEN_STEPS", "PlannerStats", "StepPlanner", "StepRecord", "likeliest_rows"]
 
@@ -125,11 +129,17 @@ class StepPlanner:
             :class:`StepRecord` fields, ``fitted``, the step price's coefficients ``c_base``,
             ``c_row``, ``c_draft``, ``c_spec``, ``c_ctx`` and ``knee`` (:meth:`scheduler.knee_cost.KneeCost.coefficients`;
             None before a fit) and ``payoff_scale``).
+        max_draft: the engine's K; with it, each step's caps are limited by a
+            :class:`scheduler.tail_drafts.TailDrafts` (K in the long tail for a priced budget,
+            ``batch_draft`` before it); None: the rows' caps as the host gives them.
+        batch_draft: the cap before the tail (:data:`scheduler.tail_drafts.BATCH_DRAFT`).
     """
 
     def __init__(self, budget: Budget, *, cost: CostModel | None = None, given_costs: tuple[float, float] | None = None,
-                 stats: Any = None, step_log: Callable[[dict], None] | None = None):
+                 stats: Any = None, step_log: Callable[[dict], None] | None = None, max_draft: int | None = None,
+                 batch_draft: int = BATCH_DRAFT):
         self.budget = budget
+        self.tail = None if max_draft is None else TailDrafts(max_draft, batch_draft, extends=budget.priced)
         self.given_costs = None if given_costs is None else (float(given_costs[0]), float(given_costs[1]))
         self.cost = cost if cost is not None else self.online_cost(self.given_costs)
         self.regimes = KneeCost(refit_every=4)  # plain vs speculative step times, with a knee where they show one: the priced budgets' price
@@ -288,6 +298,8 @@ class StepPlanner:
         """
         budget = self.budget
         self._floor = float(floor)
+        if self.tail is not None:
+            step.caps = self.tail.limit(step.caps)
         caps = budget.plan(step)
         cut = None
         if budget.priced:

@@ -151,7 +151,7 @@ class DASProposer:
         path = os.environ.get("DAS_STEP_LOG")
         self._step_log = open(path, "a", buffering=1) if path else None  # line-buffered: one write per step
         self.planner = StepPlanner(budget, cost=cost, given_costs=given, stats=self.stats,
-                                   step_log=self._log_step if self._step_log is not None else None)
+                                   step_log=self._log_step if self._step_log is not None else None, max_draft=self.k)
         self._last_drafted = 0  # draft tokens verified in the step now running
         self.lengths = LengthHistory()  # the length-aware budgets' history of finished rollouts
         self.runner = runner if runner is not None else _find_model_runner()
