@@ -6,14 +6,14 @@ The DAS paper's setting (DeepSeek-R1-Distill-Qwen-7B, DSR-sub, 16K max tokens, 1
 samples, 8 H100s, one vLLM engine per GPU) as a discrete-event simulation, repeated over ``--seeds``
 workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
 
-* Engine (:mod:`benchmarks._sim_engine`): continuous batching, vLLM-like KV admission and recompute
+* Engine (:mod:`benchmarks.sim_engine`): continuous batching, vLLM-like KV admission and recompute
   preemption, roofline step cost ``launch + max(compute, memory)`` (:class:`Roofline`, H100 SXM
   spec-sheet rates and the model's config), the drafter's CPU time per step (``--drafter-ms-per-256``).
-* Workload (:mod:`benchmarks._sim_workload`): long-tail lengths with repetition loops to the cap;
+* Workload (:mod:`benchmarks.sim_workload`): long-tail lengths with repetition loops to the cap;
   acceptance that depends on the request's state (base Eq. 3 parameters, finished siblings on the
   same engine, loops).
 * Speculation budgets (``--budgets``, also ``--policies``; the scheduler's own classes, :mod:`scheduler.budgets`, one
-  instance per GPU through :mod:`benchmarks._sim_budget`): ``none``, ``fixed`` (the paper's
+  instance per GPU through :mod:`benchmarks.sim_budget`): ``none``, ``fixed`` (the paper's
   unlimited draft budget), ``cost`` (the product's default: the draft tokens that pay at the step's
   price) and ``makespan``, priced as in the product by the step price fitted online to the GPU's
   step times (:class:`scheduler.knee_cost.KneeCost`: it learns the roofline's knee), with
@@ -21,7 +21,7 @@ workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
   Eq. 1 line fitted offline, and by the roofline's own price); ``class-eq9`` (the published class
   policy), ``class-roofline`` (ours), ``eq7`` (Eq. 7 / 9 per request); all speculative ones KV-aware.
   The budget the product ships is :class:`das.config.DASConfig`'s default (``shipped_budget``).
-* Placements (:mod:`benchmarks._sim_place`): ``none``, ``lpt``, ``split``, ``rebalance``.
+* Placements (:mod:`benchmarks.sim_placement`): ``none``, ``lpt``, ``split``, ``rebalance``.
 
 JSON: ``paper_setting.<budget>[+<placement>]`` (no suffix: placement ``none``) with ``makespan_s``
 (mean over seeds), ``makespan_s_ci95`` (half-width of the 95% t-interval, seconds), ``seeds``
@@ -30,7 +30,7 @@ placement) and its ``cut_vs_none_ci95``, tokens, drafts, preemptions, moves ...;
 (the paper's Figs. 1, 4, 8, 10 against the simulator's; ``shipped_vs_paper`` and
 ``shipped_vs_roofline``: the shipped budget against ``class-eq9`` and ``class-roofline``, paired
 per seed), ``setting``, ``costs``, ``lengths``,
-``ablations`` (with ``--ablations``) and ``sweep`` (with ``--sweep``, :mod:`benchmarks._sim_sweep`).
+``ablations`` (with ``--ablations``) and ``sweep`` (with ``--sweep``, :mod:`benchmarks.sim_sweep`).
 """
 
 from __future__ import annotations
@@ -43,11 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._sim_budget import BUDGETS, make_sim_budget
-from benchmarks._sim_engine import DONE, EngineParams, Requests
-from benchmarks._sim_place import PLACEMENTS, assign, run_cluster
-from benchmarks._sim_report import batch_curve, config_name, plot_validation, print_table
-from benchmarks._sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
+from benchmarks.sim_budget import BUDGETS, makesim_budget
+from benchmarks.sim_engine import DONE, EngineParams, Requests
+from benchmarks.sim_placement import PLACEMENTS, assign, run_cluster
+from benchmarks.sim_report import batch_curve, config_name, plot_validation, print_table
+from benchmarks.sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
 from das.config import DASConfig
 from scheduler import LengthPredictor, budgets
 from scheduler.class_budgets import DAS_GATE, DAS_QUOTA
@@ -172,13 +172,13 @@ def requests_factory(work: dict[str, Any], params: EngineParams, rows: np.ndarra
 
 # ----------------------------------------------------------------------------- one run
 def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None, price: str = "online") -> dict[str, Any]:
-    """One iteration under speculation budget ``budget`` and ``placement``; returns its summary. ``price``: of a priced budget (:class:`benchmarks._sim_budget.SimBudget`)."""
+    """One iteration under speculation budget ``budget`` and ``placement``; returns its summary. ``price``: of a priced budget (:class:`benchmarks.sim_budget.SimBudget`)."""
     req = fresh()
     P, S = work["lengths"].shape
     pred = work["predictor"]
     gpu_of = assign(P, S, n_gpus, placement, pred, work["problem_ids"])
     def factory(g: int):
-        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price,
+        b = makesim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price,
                             batch_draft=params.batch_draft)
         if gate is not None:
             b.gate = gate
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, class-eq9 without its batch gate, class-roofline with it, and the KV-tight setting")
     ap.add_argument("--price-ablations", action="store_true", help="also run the priced budgets (cost, makespan; placement none) priced by the Eq. 1 line fitted offline and by the roofline's own step price with its knee (what a perfect online fit would know)")
     ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best budget)")
-    ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
+    ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks.sim_sweep)")
     ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
     ap.add_argument("--sweep-plot", default=str(REPO / "out" / "simulate_sweep.png"))
     args = ap.parse_args(argv)
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not args.sweep_only:
         out.update(run_paper_setting(args, params, linear, am, names, placements))
     if args.sweep or args.sweep_only:
-        from benchmarks._sim_sweep import print_sweep, run_sweep
+        from benchmarks.sim_sweep import print_sweep, run_sweep
 
         sw = run_sweep(params, linear, am, seeds=args.seeds, max_tokens=args.max_tokens, plot_path=None if args.sweep_plot.lower() in ("", "none") else Path(args.sweep_plot))
         print_sweep(sw)

@@ -104,7 +104,7 @@ def test_the_simulated_gpus_knee_is_found_and_its_kv_read_priced():
     """Step times of the simulator's H100 roofline (a 7B model; rows, drafts and 1-8K tokens of KV
     per row as a rollout has them): the knee within 20% of the roofline's own at the mean step, the
     KV read priced at the memory's rate, and a tail step's drafts free."""
-    from benchmarks._sim_workload import h100_7b_roofline
+    from benchmarks.sim_workload import h100_7b_roofline
 
     roof = h100_7b_roofline()
     rng = np.random.default_rng(6)

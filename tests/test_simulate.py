@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks._sim_budget import BUDGETS, make_sim_budget
-from benchmarks._sim_engine import EngineParams, Gpu, Requests, allot_drafts, roofline_time
-from benchmarks._sim_place import PLACEMENTS, assign
-from benchmarks._sim_workload import AcceptanceModel, LengthModel, Roofline, fit_length_model, fit_linear_cost, h100_7b_roofline
+from benchmarks.sim_budget import BUDGETS, makesim_budget
+from benchmarks.sim_engine import EngineParams, Gpu, Requests, allot_drafts, roofline_time
+from benchmarks.sim_placement import PLACEMENTS, assign
+from benchmarks.sim_workload import AcceptanceModel, LengthModel, Roofline, fit_length_model, fit_linear_cost, h100_7b_roofline
 from benchmarks.simulate import ci95, lower_bound_s, main, requests_factory, run_config, synthetic_workload
 
 # A toy GPU whose numbers are easy by hand: 1 ms launch, 1 GB of weights at 1 TB/s (1 ms), 1 KB of
@@ -65,7 +65,7 @@ def _two_requests(kv_aware: bool):
         k=k, a=a, tau_tab=am.tau_table(k, a, 1, 16), tau_loop=am.loop_tau(16), nat_draft=3.7,
     )  # fmt: skip
     params = EngineParams(roof=TOY, max_draft=16, drafter_ms_per_256=0.0, max_tokens=64)
-    gpu = Gpu(0, req, np.arange(2), make_sim_budget("fixed", None, 16, {}, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
+    gpu = Gpu(0, req, np.arange(2), makesim_budget("fixed", None, 16, {}, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
     gpu.run_until(0.022)  # step 1 (prefill of 200 tokens, compute-bound) ends at 21 ms, step 2 after it
     after_two = req.gen.copy()
     gpu.run_until()
@@ -206,7 +206,7 @@ def test_cli_writes_the_required_json_keys(tmp_path, capsys):
 
 
 def test_sweep_point_pruning_matches_all_gpus():
-    from benchmarks._sim_sweep import run_point
+    from benchmarks.sim_sweep import run_point
 
     params = EngineParams(roof=h100_7b_roofline(), max_draft=16, max_tokens=2048)
     lin = fit_linear_cost(params.roof)

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks._sim_budget import make_sim_budget
+from benchmarks.sim_budget import makesim_budget
 from scheduler.budget_protocol import Drafts, StepView
 from scheduler.budgets import BudgetSetting, make_budget
 from scheduler.planner import StepPlanner
@@ -102,5 +102,5 @@ def test_the_simulator_applies_the_same_rule():
     """SimBudget limits each re-plan's caps by the same TailDrafts: a priced budget's lone tail
     row may get K, a full batch 16; ``fixed`` keeps 16 everywhere."""
     for name, tail_cap in (("cost", K), ("fixed", BATCH_DRAFT)):
-        b = make_sim_budget(name, None, K, {"c_base": 0.01, "c_tok": 1e-5})
+        b = makesim_budget(name, None, K, {"c_base": 0.01, "c_tok": 1e-5})
         assert b.tail.cap(256) == BATCH_DRAFT and b.tail.cap(1) == tail_cap

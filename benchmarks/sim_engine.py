@@ -1,9 +1,9 @@
 """GPUs of the long-tail simulator: continuous batching with speculation, step by step.
 
 The step loop runs in numba (:func:`_run_steps`); between calls Python re-plans the per-request
-draft caps with a speculation budget (:mod:`benchmarks._sim_budget`; every ``replan_every`` steps, and
+draft caps with a speculation budget (:mod:`benchmarks.sim_budget`; every ``replan_every`` steps, and
 after any request finished, was admitted or was preempted) and, for the ``rebalance`` placement, moves
-requests between GPUs at common time boundaries (:mod:`benchmarks._sim_place`).
+requests between GPUs at common time boundaries (:mod:`benchmarks.sim_placement`).
 
 One engine step (vLLM V1-like; all requests arrive at time 0):
 
@@ -27,13 +27,13 @@ between re-plans keeps cap 0 until the next one.
 3. Admission (only in a step without preemption): waiting requests in queue order while fewer than
    ``max_seqs`` run and their prompt (+ generated tokens) fits under ``kv_capacity * (1 -
    watermark)``; an admitted request is prefilled and samples one token in this step, no draft.
-4. Cost (:class:`benchmarks._sim_workload.Roofline`): ``launch + max(compute, memory)`` over the
+4. Cost (:class:`benchmarks.sim_workload.Roofline`): ``launch + max(compute, memory)`` over the
    step's tokens (sampled + drafted + prefilled), attention pairs and KV traffic, plus the
    drafter's CPU time (``drafter_s_per_row`` x running rows) when the budget speculates.
 5. Advance: a row offered ``d`` drafts advances ``tau(d)`` tokens (expected value): outside a loop
    the Eq. 3-4 per-step value for its base acceptance and the siblings finished on this GPU
    (``tau_tab[i, c, d]``), inside its loop ``tau_loop[d]``
-   (:class:`benchmarks._sim_workload.AcceptanceModel`). It finishes at its length.
+   (:class:`benchmarks.sim_workload.AcceptanceModel`). It finishes at its length.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from benchmarks._sim_workload import Roofline
+from benchmarks.sim_workload import Roofline
 from scheduler.budget_protocol import allot_in_order
 
 WAITING, RUNNING, DONE = 0, 1, 2
@@ -344,7 +344,7 @@ class Requests:
 
 
 class Gpu:
-    """One engine: its member requests, clock, speculation budget (:class:`benchmarks._sim_budget.SimBudget`) and step records."""
+    """One engine: its member requests, clock, speculation budget (:class:`benchmarks.sim_budget.SimBudget`) and step records."""
 
     def __init__(self, gid: int, req: Requests, members: np.ndarray, budget, params: EngineParams, n_groups: int,
                  stats_pos: np.ndarray, stats_sib: np.ndarray, seed: int = 0):

@@ -5,7 +5,7 @@ The simulator runs the budgets the product runs (:mod:`scheduler.budgets`; the f
 the simulator's host for one: at each re-plan it builds the
 :class:`scheduler.budget_protocol.StepView` of its GPU's rows, sets each row's draft cap
 (``Requests.caps``) and the priority order (``Gpu.order``, highest first), and tells the step loop
-(:mod:`benchmarks._sim_engine`) how to spend them: ``spec_on`` (the drafter runs; its CPU time is
+(:mod:`benchmarks.sim_engine`) how to spend them: ``spec_on`` (the drafter runs; its CPU time is
 charged), ``kv_aware`` (drafts never force a preemption), ``quota_mode`` / ``quota`` (draft tokens
 per step: 0 unlimited, 1 fixed, 2 the roofline knee, from the budget's ``quota``) and ``gate`` (no
 drafts while more rows run; -1: none).
@@ -28,9 +28,9 @@ Where the product measures, the simulator stands in with its models:
   drafter's natural draft length outside a loop and K in one); a re-plan where no draft can pay
   turns the drafter off (the product skips its lookups then). Ablations (``benchmarks.simulate
   --price-ablations``): ``price="linear"``, the Eq. 1 line fitted offline to the step-cost model
-  (:func:`benchmarks._sim_workload.fit_linear_cost`, the constants ``class-eq9`` gets), and
+  (:func:`benchmarks.sim_workload.fit_linear_cost`, the constants ``class-eq9`` gets), and
   ``price="roofline"``, the roofline's own price at the step (a plain step's seconds, draft tokens
-  free up to its knee, :meth:`benchmarks._sim_workload.Roofline.free_draft_tokens`, and priced at
+  free up to its knee, :meth:`benchmarks.sim_workload.Roofline.free_draft_tokens`, and priced at
   their compute above it: what a perfect fit would know);
 * ``eq7`` fits its Eq. 1 + context cost model online from the simulated step times with 5% noise;
 * ``class-eq9`` gets the same offline Eq. 1 constants, as the paper fits them offline.
@@ -187,7 +187,7 @@ class SimBudget:
         return self.cost.coefficients() if self.cost is not None and self.budget.uses_cost_fit else None
 
 
-def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, seed: int = 0,
+def makesim_budget(name: str, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, seed: int = 0,
                     kv_aware: bool = True, price: str = "online", batch_draft: int = BATCH_DRAFT) -> SimBudget:
     """A fresh per-GPU budget ``name`` (one offered in the simulator). ``max_draft``: K;
     ``linear_cost``: the offline Eq. 1 fit (``c_base``, ``c_tok``); ``batch_draft``: the cap before

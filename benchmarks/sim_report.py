@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._sim_budget import BUDGETS
-from benchmarks._sim_place import PLACEMENTS
+from benchmarks.sim_budget import BUDGETS
+from benchmarks.sim_placement import PLACEMENTS
 
 
 def config_name(budget: str, placement: str) -> str:
