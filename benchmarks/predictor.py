@@ -5,7 +5,7 @@ Each policy version of the rollouts is predicted from the earlier ones
 tokens; baselines are the global mean and the problem's last-iteration mean. Prints MAE, mean
 relative error and Spearman rank correlation per checkpoint, and the class confusion matrices.
 Without ``--trace`` the rollouts are synthetic: the simulator's long-tail length model
-(:class:`benchmarks._sim_workload.LengthModel`), 256 problems x 8 samples x 6 versions, each
+(:class:`benchmarks.sim_workload.LengthModel`), 256 problems x 8 samples x 6 versions, each
 problem revisited with probability 0.5 per version (so history is thin, as in RL epochs).
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._sim_workload import LengthModel
+from benchmarks.sim_workload import LengthModel
 from scheduler import CLASS_NAMES, evaluate_predictor
 
 
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         source = str(args.trace)
     else:
         pids, vers, lens = synthetic_rollouts(max_tokens=args.max_tokens, seed=args.seed)
-        source = "synthetic (benchmarks._sim_workload.LengthModel)"
+        source = "synthetic (benchmarks.sim_workload.LengthModel)"
     out = evaluate_predictor(pids, vers, lens, args.max_tokens, checkpoints=cps, window=args.window)
     out["source"] = source
     print(f"rollouts: {len(lens)} from {source}, {len(set(vers))} policy versions, {len(set(pids))} problems")

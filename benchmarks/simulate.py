@@ -6,27 +6,31 @@ The DAS paper's setting (DeepSeek-R1-Distill-Qwen-7B, DSR-sub, 16K max tokens, 1
 samples, 8 H100s, one vLLM engine per GPU) as a discrete-event simulation, repeated over ``--seeds``
 workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
 
-* Engine (:mod:`benchmarks._sim_engine`): continuous batching, vLLM-like KV admission and recompute
+* Engine (:mod:`benchmarks.sim_engine`): continuous batching, vLLM-like KV admission and recompute
   preemption, roofline step cost ``launch + max(compute, memory)`` (:class:`Roofline`, H100 SXM
   spec-sheet rates and the model's config), the drafter's CPU time per step (``--drafter-ms-per-256``).
-* Workload (:mod:`benchmarks._sim_workload`): long-tail lengths with repetition loops to the cap;
+* Workload (:mod:`benchmarks.sim_workload`): long-tail lengths with repetition loops to the cap;
   acceptance that depends on the request's state (base Eq. 3 parameters, finished siblings on the
   same engine, loops).
 * Speculation budgets (``--budgets``, also ``--policies``; the scheduler's own classes, :mod:`scheduler.budgets`, one
-  instance per GPU through :mod:`benchmarks._sim_budget`): ``none``, ``fixed`` (the paper's
+  instance per GPU through :mod:`benchmarks.sim_budget`): ``none``, ``fixed`` (the paper's
   unlimited draft budget), ``cost`` (the product's default: the draft tokens that pay at the step's
-  price) and ``makespan``, priced by the Eq. 1 line fitted offline to the step-cost model with
-  candidates' probabilities from the acceptance model; ``class-eq9`` (the published class
+  price) and ``makespan``, priced as in the product by the step price fitted online to the GPU's
+  step times (:class:`scheduler.knee_cost.KneeCost`: it learns the roofline's knee), with
+  candidates' probabilities from the acceptance model (``--price-ablations``: also priced by the
+  Eq. 1 line fitted offline, and by the roofline's own price); ``class-eq9`` (the published class
   policy), ``class-roofline`` (ours), ``eq7`` (Eq. 7 / 9 per request); all speculative ones KV-aware.
   The budget the product ships is :class:`das.config.DASConfig`'s default (``shipped_budget``).
-* Placements (:mod:`benchmarks._sim_place`): ``none``, ``lpt``, ``split``, ``rebalance``.
+* Placements (:mod:`benchmarks.sim_placement`): ``none``, ``lpt``, ``split``, ``rebalance``.
 
 JSON: ``paper_setting.<budget>[+<placement>]`` (no suffix: placement ``none``) with ``makespan_s``
 (mean over seeds), ``makespan_s_ci95`` (half-width of the 95% t-interval, seconds), ``seeds``
 (how many), ``makespan_s_per_seed``, ``cut_vs_none`` (paired, per seed, against ``none`` without
 placement) and its ``cut_vs_none_ci95``, tokens, drafts, preemptions, moves ...; ``validation``
-(the paper's Figs. 1, 4, 8, 10 against the simulator's), ``setting``, ``costs``, ``lengths``,
-``ablations`` (with ``--ablations``) and ``sweep`` (with ``--sweep``, :mod:`benchmarks._sim_sweep`).
+(the paper's Figs. 1, 4, 8, 10 against the simulator's; ``shipped_vs_paper`` and
+``shipped_vs_roofline``: the shipped budget against ``class-eq9`` and ``class-roofline``, paired
+per seed), ``setting``, ``costs``, ``lengths``,
+``ablations`` (with ``--ablations``) and ``sweep`` (with ``--sweep``, :mod:`benchmarks.sim_sweep`).
 """
 
 from __future__ import annotations
@@ -39,11 +43,11 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._sim_budget import BUDGETS, make_sim_budget
-from benchmarks._sim_engine import DONE, EngineParams, Requests
-from benchmarks._sim_place import PLACEMENTS, assign, run_cluster
-from benchmarks._sim_report import batch_curve, config_name, plot_validation, print_table
-from benchmarks._sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
+from benchmarks.sim_budget import BUDGETS, makesim_budget
+from benchmarks.sim_engine import DONE, EngineParams, Requests
+from benchmarks.sim_placement import PLACEMENTS, assign, run_cluster
+from benchmarks.sim_report import batch_curve, config_name, plot_validation, print_table
+from benchmarks.sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
 from das.config import DASConfig
 from scheduler import LengthPredictor, budgets
 from scheduler.class_budgets import DAS_GATE, DAS_QUOTA
@@ -167,14 +171,15 @@ def requests_factory(work: dict[str, Any], params: EngineParams, rows: np.ndarra
 
 
 # ----------------------------------------------------------------------------- one run
-def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None, price: str = "linear") -> dict[str, Any]:
-    """One iteration under speculation budget ``budget`` and ``placement``; returns its summary. ``price``: of a priced budget (:class:`benchmarks._sim_budget.SimBudget`)."""
+def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: EngineParams, linear_cost: dict, *, seed: int = 0, keep: bool = False, kv_aware: bool = True, gate: int | None = None, price: str = "online") -> dict[str, Any]:
+    """One iteration under speculation budget ``budget`` and ``placement``; returns its summary. ``price``: of a priced budget (:class:`benchmarks.sim_budget.SimBudget`)."""
     req = fresh()
     P, S = work["lengths"].shape
     pred = work["predictor"]
     gpu_of = assign(P, S, n_gpus, placement, pred, work["problem_ids"])
     def factory(g: int):
-        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price)
+        b = makesim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price,
+                            batch_draft=params.batch_draft)
         if gate is not None:
             b.gate = gate
         return b
@@ -194,8 +199,9 @@ def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: En
         "_stats_pos": info["stats_pos"],
         "_stats_sib": info["stats_sib"],
     }
-    if gpus[0].budget.budget.uses_cost_fit:
-        out["cost_fit_gpu0"] = gpus[0].budget.cost_fit()
+    fit = gpus[0].budget.cost_fit()
+    if fit is not None:
+        out["cost_fit_gpu0"] = fit
     if keep:
         out["_curves"] = [(g.records()["t"], g.records()["b"]) for g in gpus]
         out["_finish"] = req.finish.copy()
@@ -308,7 +314,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--max-draft", type=int, default=16, help="K: most draft tokens per row and step")
+    ap.add_argument("--max-draft", type=int, default=32, help="K: the engine's most draft tokens per row and step (a priced budget's rows in the long tail)")
+    ap.add_argument("--batch-draft", type=int, default=16, help="most draft tokens per row and step before the long tail (scheduler.tail_drafts)")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
     ap.add_argument("--budgets", "--policies", dest="budgets", default=",".join(BUDGETS),
                     help=f"speculation budgets, a comma-separated subset of {','.join(BUDGETS)}")
@@ -320,9 +327,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--sibling-gain", type=float, default=AcceptanceModel.sibling_gain, help="capacity gain once all siblings on the engine finished")
     ap.add_argument("--additive-cost", action="store_true", help="step cost compute + memory instead of max (the old model)")
     ap.add_argument("--extras", action="store_true", help="also run (placement none) eq7 without KV awareness, class-eq9 without its batch gate, class-roofline with it, and the KV-tight setting")
-    ap.add_argument("--knee-price", action="store_true", help="also run the priced budgets (cost, makespan; placement none) priced by the roofline's own step price with its knee (an experiment: the product's price is linear)")
+    ap.add_argument("--price-ablations", action="store_true", help="also run the priced budgets (cost, makespan; placement none) priced by the Eq. 1 line fitted offline and by the roofline's own step price with its knee (what a perfect online fit would know)")
     ap.add_argument("--ablations", action="store_true", help="also run the acceptance and cost ablations (none and the best budget)")
-    ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks._sim_sweep)")
+    ap.add_argument("--sweep", action="store_true", help="also run the 8-2048 GPU x 1-64 rollouts/GPU sweep (benchmarks.sim_sweep)")
     ap.add_argument("--sweep-only", action="store_true", help="run only the sweep")
     ap.add_argument("--sweep-plot", default=str(REPO / "out" / "simulate_sweep.png"))
     args = ap.parse_args(argv)
@@ -354,14 +361,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         from dataclasses import replace
 
         roof = replace(roof, kv_capacity_tokens=int(args.kv_capacity))
-    params = EngineParams(roof=roof, max_draft=args.max_draft, replan_every=args.replan_every, drafter_ms_per_256=args.drafter_ms_per_256, max_tokens=args.max_tokens, additive_cost=args.additive_cost)
-    linear = fit_linear_cost(roof, max_draft=args.max_draft)
+    params = EngineParams(roof=roof, max_draft=args.max_draft, batch_draft=args.batch_draft, replan_every=args.replan_every, drafter_ms_per_256=args.drafter_ms_per_256, max_tokens=args.max_tokens, additive_cost=args.additive_cost)
+    linear = fit_linear_cost(roof, max_draft=min(args.batch_draft, args.max_draft))
     am = AcceptanceModel(loop_accept=args.loop_accept, sibling_gain=args.sibling_gain)
     out: dict[str, Any] = {}
     if not args.sweep_only:
         out.update(run_paper_setting(args, params, linear, am, names, placements))
     if args.sweep or args.sweep_only:
-        from benchmarks._sim_sweep import print_sweep, run_sweep
+        from benchmarks.sim_sweep import print_sweep, run_sweep
 
         sw = run_sweep(params, linear, am, seeds=args.seeds, max_tokens=args.max_tokens, plot_path=None if args.sweep_plot.lower() in ("", "none") else Path(args.sweep_plot))
         print_sweep(sw)
@@ -387,8 +394,8 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     configs = [(p, pl) for pl in placements for p in names]
     if args.extras:
         configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
-    if args.knee_price:
-        configs += [(p, "none", True, "knee") for p in names if budgets.BUDGETS[p].priced]
+    if args.price_ablations:
+        configs += [(p, "none", True, price) for price in ("linear", "roofline") for p in names if budgets.BUDGETS[p].priced]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)
@@ -405,9 +412,9 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             variant = cfg[3] if len(cfg) > 3 else ""
             gate = (-1 if budgets.BUDGETS[pol].gate >= 0 else DAS_GATE) if variant == "gate-flip" else None  # its gate off, or one on
             name = config_name(pol, pl) + ("" if kv else " (KV-unaware)") + ((" (no gate)" if gate < 0 else f" (gate {gate})") if gate is not None else "")
-            name += " (knee price)" if variant == "knee" else ""
+            name += {"linear": " (offline line price)", "roofline": " (roofline price)"}.get(variant, "")
             r = run_config(work, fresh, pol, pl, args.gpus, params, linear, seed=seed, keep=seed == 0 and pl == "none" and kv and not variant, kv_aware=kv, gate=gate,
-                           price="knee" if variant == "knee" else "linear")
+                           price=variant if variant in ("linear", "roofline") else "online")
             per_seed.setdefault(name, []).append(r)
             if pl == "none" and kv and not variant:
                 prof = profiles.setdefault(pol, [np.zeros_like(r["_stats_pos"]), np.zeros_like(r["_stats_sib"])])
@@ -443,11 +450,12 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
         "fig8_makespan": {"paper": "DAS cuts rollout time by more than 50% (7B, DSR-sub, 16K, 8 H100)", "best_length_aware": best, "best_cut": table[best]["cut_vs_none"] if best else None, "best_cut_ci95": table[best]["cut_vs_none_ci95"] if best else None},
         "fig10_unlimited_vs_length_aware": {"paper": "an unlimited draft budget was up to 15% worse than the length-aware one", "simulator": fig10},
         "shipped_vs_paper": shipped_vs(table, PAPER_BUDGET),
+        "shipped_vs_roofline": shipped_vs(table, "class-roofline"),
     }
     plot_path = None
     if args.plot and args.plot.lower() != "none" and curves and accept:
         show = {n: curves[n] for n in dict.fromkeys(("none", "fixed", SHIPPED, PAPER_BUDGET, best_none)) if n in curves}
-        plot_path = plot_validation(table, show, accept, Path(args.plot), f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {args.max_tokens} tokens, K={args.max_draft}, {args.seeds} seeds")
+        plot_path = plot_validation(table, show, accept, Path(args.plot), f"{n_p} prompts x {n_s} samples, {args.gpus} GPUs, max {args.max_tokens} tokens, K={args.max_draft} (batch {args.batch_draft}), {args.seeds} seeds")
 
     ls = length_stats(lengths, args.max_tokens)
     ls["loop_share"] = float(np.concatenate(loops_all).mean())
@@ -463,6 +471,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
             "samples": n_s,
             "max_tokens": args.max_tokens,
             "max_draft": args.max_draft,
+            "batch_draft": args.batch_draft,
             "replan_every": args.replan_every,
             "seeds": args.seeds,
             "das_quota_tokens_per_step": DAS_QUOTA,

@@ -7,8 +7,12 @@
   draft tokens learned from verification outcomes (a reliability diagram, online).
 * :mod:`scheduler.cost_model`: :class:`CostModel`, ``t_step = c_base + c_tok * n_tokens`` fitted
   online (Eq. 1).
-* :mod:`scheduler.step_price`: :class:`LinearPrice`, a step's price as a budget reads it.
+* :mod:`scheduler.step_price`: :class:`LinearPrice`, a step's price as a budget reads it;
+  :mod:`scheduler.regime_cost` (the two-regime line) and :mod:`scheduler.knee_cost`
+  (:class:`KneeCost`: the line, or a knee below which draft tokens are free) fit it online.
 * :mod:`scheduler.draft_selection`: which draft tokens pay for their verification at a price.
+* :mod:`scheduler.tail_drafts`: :class:`TailDrafts`, the per-row draft cap: 16 before the long
+  tail, the engine's K in it for a priced budget.
 * :mod:`scheduler.budget_protocol`: what a speculation budget is (:class:`Budget`,
   :class:`StepView`, :class:`Drafts`); the budgets: :mod:`scheduler.budgets` (the registry of
   names, ``none``, ``fixed``), :mod:`scheduler.class_budgets` (``class``, ``class-eq9``,
@@ -30,11 +34,13 @@ from scheduler.class_budgets import ClassBudget, ClassEq9Budget, ClassRooflineBu
 from scheduler.cost_model import CostModel
 from scheduler.eq7 import Eq7Budget, Eq7Plan, Eq7Solver, optimal_proposals, round_caps, solve_n_fwd, step_saves_time
 from scheduler.interleave import ASSIGNMENTS, assign_groups, compare_assignments, worker_loads
+from scheduler.knee_cost import KneeCost
 from scheduler.planner import StepPlanner
 from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredictor, Prediction, classify, confusion_matrix, evaluate_predictor
 from scheduler.priced_budgets import CostBudget, MakespanBudget
 from scheduler.speculation import RequestCaps, SpeculationScheduler, static_budgets
 from scheduler.step_price import LinearPrice
+from scheduler.tail_drafts import BATCH_DRAFT, TailDrafts
 
 __all__ = [
     "DEFAULT_A",
@@ -58,6 +64,8 @@ __all__ = [
     "Eq7Plan",
     "Eq7Solver",
     "LinearPrice",
+    "BATCH_DRAFT",
+    "TailDrafts",
     "StepPlanner",
     "optimal_proposals",
     "round_caps",
@@ -69,6 +77,7 @@ __all__ = [
     "assign_groups",
     "compare_assignments",
     "worker_loads",
+    "KneeCost",
     "CLASS_NAMES",
     "SHORT",
     "MEDIUM",

@@ -30,8 +30,7 @@ __all__ = [
 
 #: Population prior for the drafter capacity ``k`` and accept efficiency ``a`` (Eq. 3). With them a
 #: request drafted 4 tokens per step advances 2.06 tokens per step, 16 per step 2.49: the range of
-#: suffix drafting measured on this machine (2.05-2.29 tokens per step: arctic-inference's suffix
-#: cache, K = 4 and 16, replaying a SmolLM2-135M-Instruct trace of 32 DSR-sub problems).
+#: suffix drafting on a replayed rollout trace (evidence: docs/benchmarks.md).
 DEFAULT_K = 0.6
 DEFAULT_A = 1.0
 

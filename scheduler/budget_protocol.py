@@ -232,7 +232,7 @@ def allot_in_order(want, order, running, budget):
     ``want`` (float64 ``[n]``) in ``order`` (row indices, highest priority first); rows not
     ``running`` (bool ``[n]``) get none; the last row served may get a part. Returns float64
     ``[n]``. Plain Python loops over arrays, so that the simulator can compile it with numba
-    (``benchmarks._sim_engine``) and run the same rule."""
+    (``benchmarks.sim_engine``) and run the same rule."""
     out = np.zeros(want.size)
     left = max(budget, 0.0)
     for j in range(order.size):

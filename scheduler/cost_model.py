@@ -146,7 +146,7 @@ class CostModel:
 
     def _observe_one(self, n: float, t: float, ctx: float | None) -> None:
         """:meth:`observe` for one step given as numbers (what the proposer does every engine step):
-        the same sums without building and checking arrays (0.13 -> 0.03 ms per call in the engine)."""
+        the same sums without building and checking arrays."""
         if not (math.isfinite(n) and n >= 0):
             raise ValueError(f"observe: n_tokens must be finite and >= 0, got {[n]}")
         if not (math.isfinite(t) and t > 0):

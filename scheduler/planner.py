@@ -4,10 +4,11 @@ The vLLM proposer (:mod:`integrations.vllm_ext.proposer`) maps rows to requests 
 step to a :class:`StepPlanner`, which owns everything that is measured and decided per step:
 
 * **Step cost.** The interval between consecutive steps over pure decode steps is fed to an
-  Eq. 1 line (:class:`scheduler.cost_model.CostModel`, read by ``eq7``) and to a two-regime fit of
-  plain and speculative steps (:class:`scheduler.regime_cost.TwoRegimeCost`, whose
-  :meth:`~scheduler.regime_cost.TwoRegimeCost.price` prices the ``cost`` and ``makespan``
-  budgets), or the user's ``c_base``/``c_tok`` are used as they are. The engine's first
+  Eq. 1 line (:class:`scheduler.cost_model.CostModel`, read by ``eq7``) and to the step price of
+  the ``cost`` and ``makespan`` budgets (:class:`scheduler.knee_cost.KneeCost`: the two-regime line
+  of plain and speculative steps, :class:`scheduler.regime_cost.TwoRegimeCost`, or, where the
+  steps show one, a knee in the tokens verified below which drafts are free), or the user's
+  ``c_base``/``c_tok`` are used as they are. The engine's first
   :data:`SCREEN_STEPS` clean steps are held back and screened against their medians (its warm-up
   steps compile kernels and take seconds), and intervals long against both the step and the
   per-token averages (idle gaps between ``generate()`` calls) are left out.
@@ -18,10 +19,18 @@ step to a :class:`StepPlanner`, which owns everything that is measured and decid
   tokens per second than the fitted plain step would shrink it, paying ones grow it back (at most
   1), guarding "never slower" against a fit or a calibration that is too optimistic.
 * **Measuring the price.** Until the two-regime fit exists, plain and drafting steps alternate
-  and a drafting step keeps few tokens (:func:`likeliest_rows`); once fitted, a plain step every
-  16 drafting steps keeps the plain price measured (not with given prices), and after 32 steps in
+  and a drafting step keeps few tokens (:func:`likeliest_rows`); once fitted, a plain step after
+  :data:`PLAIN_EVERY` drafting steps keeps the plain price measured (not with given prices), unless
+  the drafting steps paid clearly: their tokens per second, measured, at least
+  :data:`PLAIN_PAYOFF` times the fitted plain step's (an EMA over drafting steps). Where drafting
+  pays by more than the plain price can be off by (a speculative step's own fixed cost, which the
+  fit folds into the plain price when it sees no plain step), a plain step could not change a
+  decision, and in a long tail it costs the last rows a whole step's accepted drafts. After 32 steps in
   a row where drafting could not pay, one exploration step drafts the first token of the likeliest
   rows to re-measure acceptance.
+* **The draft cap** (:class:`scheduler.tail_drafts.TailDrafts`): a row drafts at most
+  :data:`scheduler.tail_drafts.BATCH_DRAFT` tokens before the long tail and up to the engine's K
+  in it, where a priced budget keeps what pays.
 * **The budget** (:mod:`scheduler.budget_protocol`): its caps before the drafter runs; for a
   priced budget, whether any draft can pay (else the drafter is not asked), where the drafts may
   stop (the same drafts, fewer lookups; drafted again at the safe bound when a guessed cut fails
@@ -46,13 +55,16 @@ from scheduler.budget_protocol import Budget, Drafts, StepView
 from scheduler.calibration import AcceptanceCalibration
 from scheduler.cost_model import CostModel
 from scheduler.draft_selection import raw_cutoffs
+from scheduler.knee_cost import KneeCost
 from scheduler.priced_budgets import DraftCut
-from scheduler.regime_cost import TwoRegimeCost
 from scheduler.step_price import LinearPrice
+from scheduler.tail_drafts import BATCH_DRAFT, TailDrafts
 
-__all__ = ["SCREEN_STEPS", "PlannerStats", "StepPlanner", "StepRecord", "likeliest_rows"]
+__all__ = ["PLAIN_EVERY", "PLAIN_PAYOFF", "SCREEN_STEPS", "PlannerStats", "StepPlanner", "StepRecord", "likeliest_rows"]
 
 SCREEN_STEPS = 8  # the engine's first clean steps, held back and screened against their median (warm-up)
+PLAIN_EVERY = 16  # once fitted, a plain step after this many drafting steps in a row keeps the plain price measured ...
+PLAIN_PAYOFF = 1.25  # ... unless the drafting steps yield this many times the plain step's tokens per second (module doc)
 
 
 class StepRecord(NamedTuple):
@@ -114,16 +126,23 @@ class StepPlanner:
         given_costs: ``(c_base, c_tok)`` seconds: the price as given, no fit (and no plain steps forced).
         stats: an object with :class:`PlannerStats`' attributes to count into (default: its own).
         step_log: optional function called with one dict per clean step once the fit saw it (its
-            :class:`StepRecord` fields, ``fitted``, the two-regime coefficients ``c_base``,
-            ``c_row``, ``c_draft``, ``c_spec`` (None before a fit) and ``payoff_scale``).
+            :class:`StepRecord` fields, ``fitted``, the step price's coefficients ``c_base``,
+            ``c_row``, ``c_draft``, ``c_spec``, ``c_ctx`` and ``knee`` (:meth:`scheduler.knee_cost.KneeCost.coefficients`;
+            None before a fit) and ``payoff_scale``).
+        max_draft: the engine's K; with it, each step's caps are limited by a
+            :class:`scheduler.tail_drafts.TailDrafts` (K in the long tail for a priced budget,
+            ``batch_draft`` before it); None: the rows' caps as the host gives them.
+        batch_draft: the cap before the tail (:data:`scheduler.tail_drafts.BATCH_DRAFT`).
     """
 
     def __init__(self, budget: Budget, *, cost: CostModel | None = None, given_costs: tuple[float, float] | None = None,
-                 stats: Any = None, step_log: Callable[[dict], None] | None = None):
+                 stats: Any = None, step_log: Callable[[dict], None] | None = None, max_draft: int | None = None,
+                 batch_draft: int = BATCH_DRAFT):
         self.budget = budget
+        self.tail = None if max_draft is None else TailDrafts(max_draft, batch_draft, extends=budget.priced)
         self.given_costs = None if given_costs is None else (float(given_costs[0]), float(given_costs[1]))
         self.cost = cost if cost is not None else self.online_cost(self.given_costs)
-        self.regimes = TwoRegimeCost(refit_every=4)  # plain vs speculative step times: the priced budgets' price
+        self.regimes = KneeCost(refit_every=4)  # plain vs speculative step times, with a knee where they show one: the priced budgets' price
         self._floor = 0.0  # the drafter's own cutoff this step (decide's ``floor``)
         self.stats = stats if stats is not None else PlannerStats()
         self.step_log = step_log
@@ -133,6 +152,7 @@ class StepPlanner:
         self.acceptance = AcceptanceCalibration()
         self._accepted = self._predicted = 0.0  # decayed sums: accepted / calibrated-predicted, what the bins miss
         self.payoff_scale = 1.0  # the payoff guard (module doc)
+        self.paid = 1.0  # EMA of drafting steps' measured tokens per second / the fitted plain step's (forced plain steps)
         self._plans = 0  # decide() calls: warm-up alternates plain and drafting steps by their parity
         self._exploring = False  # this step drafts only to re-measure acceptance
         self._skipped_run = 0  # steps ruled out since the last one that drafted
@@ -211,7 +231,7 @@ class StepPlanner:
         if self.step_log is not None:
             c = self.regimes.coefficients() if self.regimes.ready else None
             rec = {**step._asdict(), "fitted": fitted}
-            rec.update({k: None if c is None else c[k] for k in ("c_base", "c_row", "c_draft", "c_spec")})
+            rec.update({k: None if c is None else c[k] for k in ("c_base", "c_row", "c_draft", "c_spec", "c_ctx", "knee")})
             rec["payoff_scale"] = self.payoff_scale
             self.step_log(rec)
 
@@ -223,12 +243,13 @@ class StepPlanner:
         self._interval_ema = 0.9 * self._interval_ema + 0.1 * interval
         self._token_ema = 0.9 * self._token_ema + 0.1 * interval / max(tokens, 1)
         self.cost.observe(tokens, interval, step.context_tokens)
-        self.regimes.observe(rows, drafted, interval)
+        self.regimes.observe(rows, drafted, interval, step.context_tokens)
         self._since_plain = self._since_plain + 1 if drafted else 0
         if drafted and self.budget.priced and self.given_costs is None and self.regimes.ready:
             # tokens per second of this drafting step against the fitted plain step's
             payoff = (rows + step.accepted) / interval * max(self.regimes.plain(rows), 1e-9) / rows
             self.payoff_scale = float(np.clip(self.payoff_scale * payoff**0.1, 0.25, 1.0))
+            self.paid = 0.9 * self.paid + 0.1 * payoff
         return True
 
     def calibration(self) -> float:
@@ -277,6 +298,8 @@ class StepPlanner:
         """
         budget = self.budget
         self._floor = float(floor)
+        if self.tail is not None:
+            step.caps = self.tail.limit(step.caps)
         caps = budget.plan(step)
         cut = None
         if budget.priced:
@@ -314,7 +337,7 @@ class StepPlanner:
         if step.rows == 0 or not caps.any():
             return False
         price = step.price
-        if price is not None and self.given_costs is None and self._since_plain >= 16:
+        if price is not None and self.given_costs is None and self._since_plain >= PLAIN_EVERY and self.paid < PLAIN_PAYOFF:
             return False  # a plain step now and then keeps the plain regime's price measured (given prices need none)
         if price is not None and self._skipped_run >= 32:
             self._skipped_run = 0

@@ -9,7 +9,7 @@
   regime); keep the tokens whose expected saving beats their price.
 
 Both read from the :class:`scheduler.budget_protocol.StepView` its ``price``
-(:class:`scheduler.step_price.LinearPrice`), the rows' ``calibration`` factors and the
+(:class:`scheduler.step_price.LinearPrice`, online :class:`scheduler.knee_cost.KneeCost`), the rows' ``calibration`` factors and the
 ``prob_map`` of raw to calibrated path probabilities, which the host sets: the vLLM proposer's
 :class:`scheduler.planner.StepPlanner` from its online fits; the simulator from its step-cost and
 acceptance models.
@@ -62,7 +62,7 @@ class CostBudget(Budget):
 
     name = "cost"
     summary = ("keep the draft tokens whose calibrated path probability pays for their verification under the step-cost model "
-               "fitted online (scheduler.draft_selection, scheduler.regime_cost)")
+               "fitted online, with drafts free below a knee where the steps show one (scheduler.draft_selection, scheduler.knee_cost)")
     runs_in = frozenset({"proposer", "simulator"})
     priced = True
 

@@ -36,42 +36,46 @@ def _well_conditioned(a: np.ndarray) -> bool:
 
 def _subset_fit(xtx: np.ndarray, xty: np.ndarray, mask: int) -> np.ndarray | None:
     """The least-squares solution with only the coefficients in ``mask`` (bit i: coefficient i)
-    free and the rest 0, as ``float64[4]``; None if that system is ill-conditioned or a free
+    free and the rest 0, as ``float64[n]``; None if that system is ill-conditioned or a free
     coefficient comes out negative."""
-    idx = [i for i in range(4) if mask >> i & 1]
+    n = xty.shape[0]
+    idx = [i for i in range(n) if mask >> i & 1]
     a = xtx[np.ix_(idx, idx)]
     if not _well_conditioned(a):
         return None
     sol = np.linalg.solve(a, xty[idx])
     if np.any(sol < 0):
         return None
-    full = np.zeros(4)
+    full = np.zeros(n)
     full[idx] = sol
     return full
 
 
-def best_subset_fit(xtx: np.ndarray, xty: np.ndarray, yty: float, hint: int = 15) -> np.ndarray | None:
-    """Non-negative least squares over the 4 coefficients from the normal equations, by subsets.
+def best_subset_fit(xtx: np.ndarray, xty: np.ndarray, yty: float, hint: int = 15, base_free: bool = True) -> np.ndarray | None:
+    """Non-negative least squares over the ``n`` coefficients from the normal equations
+    (``xtx [n, n]``, ``xty [n]``), by subsets.
 
-    Every subset of the coefficients that keeps ``c_base`` is solved unconstrained; among the
-    solutions without a negative coefficient the one with the smallest squared error wins.
+    Every subset of the coefficients that keeps the first (``c_base``; every subset with
+    ``base_free=False``) is solved unconstrained; among the solutions without a negative
+    coefficient the one with the smallest squared error wins.
 
     Shortcut (one solve per step instead of up to 8, each ~15 us of LAPACK overhead): the subset
     ``hint`` (a bit mask; the last fit's support) is solved first, and kept when it meets the
     Karush-Kuhn-Tucker conditions: no coefficient held at 0 has a negative gradient of the squared
     error. The squared error is convex, so such a point is the minimum over all non-negative
-    coefficients, which is the subset search's answer. ``hint`` 15 (all four free) is the plain
-    unconstrained solution.
-    Returns ``float64[4]`` (scaled units) or None if no subset gives a non-negative solution.
+    coefficients, which is the subset search's answer. ``hint`` ``2**n - 1`` (all free) is the
+    plain unconstrained solution.
+    Returns ``float64[n]`` (scaled units) or None if no subset gives a non-negative solution.
     """
-    hint |= 1  # c_base always free: a step never costs nothing
+    n = xty.shape[0]
+    hint = (hint | base_free) & ((1 << n) - 1) or (1 << n) - 1  # c_base always free (by default): a step never costs nothing
     full = _subset_fit(xtx, xty, hint)
     if full is not None:
         gradient = xtx @ full - xty  # half the squared error's gradient
-        if all(gradient[i] >= 0.0 for i in range(4) if not hint >> i & 1):
+        if all(gradient[i] >= 0.0 for i in range(n) if not hint >> i & 1):
             return full
     best, best_sse = None, math.inf
-    for mask in range(1, 16, 2):  # odd masks: c_base free
+    for mask in range(1, 1 << n, 2 if base_free else 1):  # odd masks: c_base free
         full = _subset_fit(xtx, xty, mask)
         if full is None:
             continue
@@ -143,6 +147,42 @@ class TwoRegimeCost:
         self._unfitted += 1
         if self._coef is None or self._unfitted >= self.refit_every:
             self._dirty = True
+
+    def observe_steps(self, rows, drafts, seconds) -> None:
+        """:meth:`observe` for many steps at once, in order (float arrays of one shape; a
+        simulator's steps between two decisions): the same sums as one call per step.
+
+        Raises:
+            ValueError: as :meth:`observe`, or arrays of different shapes.
+        """
+        b, d, t = (np.atleast_1d(np.asarray(a, np.float64)) for a in (rows, drafts, seconds))
+        if not (b.shape == d.shape == t.shape and b.ndim == 1):
+            raise ValueError(f"observe_steps: rows {b.shape}, drafts {d.shape} and seconds {t.shape} must be one 1-D shape")
+        if b.size == 0:
+            return
+        if np.any(b < 1) or np.any(d < 0) or not np.all(np.isfinite(t) & (t > 0)):
+            raise ValueError("observe_steps: rows must be >= 1, drafts >= 0 and seconds finite and > 0")
+        x = np.stack([np.ones_like(b), b, d, (d > 0).astype(np.float64)], axis=1) * _SCALE
+        w = self.forgetting ** np.arange(b.size - 1, -1, -1, dtype=np.float64)
+        decay = self.forgetting**b.size
+        self._xtx = decay * self._xtx + (x * w[:, None]).T @ x
+        self._xty = decay * self._xty + (x * w[:, None]).T @ t
+        self._yty = decay * self._yty + float(w @ (t * t))
+        spec = int(np.count_nonzero(d > 0))
+        self.n_spec += spec
+        self.n_plain += b.size - spec
+        self._unfitted += b.size
+        if self._coef is None or self._unfitted >= self.refit_every:
+            self._dirty = True
+
+    def squared_error(self) -> float:
+        """The fit's forgotten squared error over the observed steps (seconds squared; the
+        pseudo-observations left out), or ``inf`` before a fit."""
+        coef = self._solve()
+        if coef is None:
+            return math.inf
+        b = coef / _SCALE
+        return float(max(self._yty - 2.0 * b @ self._xty + b @ self._xtx @ b, 0.0))
 
     @property
     def ready(self) -> bool:

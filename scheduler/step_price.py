@@ -8,16 +8,17 @@ verification. What it needs of the step-cost model, for a step of ``B`` rows:
   can exceed ``plain_s``: the rejection sampler and the draft bookkeeping run only then);
 * ``per_draft_s``: seconds per draft token verified;
 * ``free_drafts``: draft tokens the step verifies at no cost of their own (a step flat below a
-  knee, e.g. a memory-bound GPU decode step); 0 for a linear price;
+  knee, e.g. a memory-bound GPU decode step: the draft tokens below the knee, for this step's
+  rows); 0 for a linear price;
 * ``fixed_s`` and ``per_row_s``: the step's fixed seconds and seconds per row (DAS Eq. 1's
   ``c_base`` and ``c_tok`` for a sampled token), which the ``makespan`` budget turns into what one
   accepted token saves (:func:`scheduler.makespan.token_values`).
 
 So ``m`` draft tokens cost ``spec_base_s + per_draft_s * max(m - free_drafts, 0)`` seconds.
-:class:`LinearPrice` is the only price today: one line from the user's ``c_base``/``c_tok``
-(:meth:`LinearPrice.given`), the online two-regime fit
-(:meth:`scheduler.regime_cost.TwoRegimeCost.price`) or an offline fit to a simulated GPU
-(``benchmarks.simulate``). A price with a knee is another class with the same fields.
+:class:`LinearPrice` holds every price: one line from the user's ``c_base``/``c_tok``
+(:meth:`LinearPrice.given`), the online fit (:meth:`scheduler.knee_cost.KneeCost.price`: the
+two-regime line of :meth:`scheduler.regime_cost.TwoRegimeCost.price`, or a knee below which
+draft tokens are free where the steps show one), or the simulator's GPU (``benchmarks.simulate``).
 
 Units: seconds; draft tokens; rows.
 """
@@ -31,7 +32,7 @@ __all__ = ["LinearPrice"]
 
 @dataclass(frozen=True)
 class LinearPrice:
-    """One step's price, linear in the draft tokens (module doc).
+    """One step's price, linear in the draft tokens above ``free_drafts`` (module doc).
 
     Attributes:
         plain_s: seconds of the step without drafts (> 0).
@@ -39,7 +40,7 @@ class LinearPrice:
         per_draft_s: seconds per draft token (>= 0).
         fixed_s: the step's fixed seconds (``c_base``, >= 0).
         per_row_s: seconds per row (``c_row`` / ``c_tok``, >= 0).
-        free_drafts: draft tokens priced at nothing (0 here).
+        free_drafts: draft tokens priced at nothing (>= 0; 0 for a line).
     """
 
     plain_s: float

@@ -108,7 +108,7 @@ def test_expected_states_the_schema_bounds_in_words():
 
 
 def test_one_name_per_budget_everywhere():
-    from benchmarks._sim_budget import BUDGETS as SIM
+    from benchmarks.sim_budget import BUDGETS as SIM
     from integrations.vllm_ext.proposer import BUDGETS
     from scheduler.speculation import BUDGETS as SCHED
 
@@ -124,11 +124,11 @@ def test_one_name_per_budget_everywhere():
 
 
 def test_simulator_refuses_former_names():
-    from benchmarks._sim_budget import make_sim_budget
+    from benchmarks.sim_budget import makesim_budget
 
     with pytest.raises(ValueError, match="'das-roofline' is now called 'class-roofline'"):
-        make_sim_budget("das-roofline", None, 16, {})
-    assert make_sim_budget("fixed", None, 16, {}).name == "fixed"
+        makesim_budget("das-roofline", None, 16, {})
+    assert makesim_budget("fixed", None, 16, {}).name == "fixed"
 
 
 # ---- das-rollout: every bad input refused before any model or engine loads

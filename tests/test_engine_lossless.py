@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 
 import numpy as np
 import pytest
@@ -127,3 +128,28 @@ def test_requests_with_logprobs_are_still_drafted(tiny_model):
     assert all(len(c.logprobs) == len(c.token_ids) for o in outs for c in o.outputs)
     counters = spec_counters(llm)
     assert counters["draft_tokens"] > 0 and counters["accepted_tokens"] > 0
+
+
+def test_a_lone_tail_row_drafts_beyond_16_at_the_default_k_and_stays_lossless(tiny_model, tmp_path, monkeypatch):
+    """das's default K (32) with the default budget: 15 short requests and a long one; once the
+    long one runs alone (the long tail), it gets more than 16 draft tokens in a step, and greedy
+    outputs match no speculation."""
+    from vllm import SamplingParams
+
+    log = tmp_path / "steps.jsonl"
+    monkeypatch.setenv("DAS_STEP_LOG", str(log))
+    prompts = [[5 + i, 17, 42, 8] for i in range(16)]
+    params = [SamplingParams(temperature=0.0, max_tokens=160 if i == 0 else 8, ignore_eos=True) for i in range(16)]
+    base = make_llm(tiny_model, "none", dtype="float32", max_model_len=256)
+    expected = _generate(base, prompts, params, 0)
+    del base
+    release_engine_state()
+    llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, das_config={"c_base": 0.01, "c_tok": 1e-5})
+    got = []
+    for version in (1, 2):
+        control.begin_iteration(llm, version)
+        got.append(_generate(llm, prompts, params, 0))
+    assert got == [expected, expected]
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    lone = [s["draft_tokens"] for s in steps if s["rows"] == 1]
+    assert lone and max(lone) > 16, lone

@@ -238,3 +238,37 @@ def test_drafts_cut_at_the_price_keep_what_uncut_drafts_keep(stream, guess):
         assert cut.drafter_calls <= uncut.drafter_calls + sum(int(np.minimum(c, 8).sum()) for _, c, _, _ in steps) * cut.stats.recut_steps
     finally:
         priced_budgets.GUESS_ROWS = old
+
+
+def test_on_compute_bound_steps_the_knee_price_keeps_what_the_line_keeps():
+    """The step price learns a knee only where the steps show one: on a CPU's step times (no flat
+    region) every step keeps the drafts that the two-regime line's price keeps."""
+    from scheduler.regime_cost import TwoRegimeCost
+
+    tokens = np.array([1, 2, 4, 8, 16, 32, 48], np.float64)  # median step seconds by tokens verified, a 2-core AVX2 CPU
+    seconds = np.array([44.5, 47.1, 59.0, 77.2, 113.5, 147.5, 203.0]) * 1e-3
+    rng = np.random.default_rng(11)
+    stream = [(int(rng.integers(1, 33)), np.cumprod(rng.uniform(0.3, 1.0, (32, 8)), axis=1), float(np.exp(0.05 * rng.standard_normal())))
+              for _ in range(400)]
+    kept = {}
+    for name in ("knee", "line"):
+        planner = _planner("cost")
+        if name == "line":
+            class Line(TwoRegimeCost):
+                def observe(self, rows, drafts, seconds, context=0.0):
+                    super().observe(rows, drafts, seconds)
+
+            planner.regimes = Line(refit_every=4)
+        clock, out = Clock(planner), []
+        for rows, probs, noise in stream:
+            _, k = planner.decide(StepView(np.full(rows, 8)), Drafter(probs[:rows]), floor=0.0)
+            out.append(k.tolist())
+            n = rows + int(k.sum())
+            clock.step((np.interp(n, tokens, seconds) + 2.8e-3 * max(n - 48, 0) + 6.4e-3 * bool(k.sum())) * noise, rows, int(k.sum()),
+                       int(k.sum()) // 2)
+        kept[name] = out
+        if name == "knee":
+            assert planner.regimes.ready and planner.regimes.knee == 0.0
+            assert planner.stats.fitted_steps > 300
+    assert kept["knee"] == kept["line"]
+    assert sum(map(sum, kept["line"])) > 1000  # and they draft

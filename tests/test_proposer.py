@@ -355,6 +355,7 @@ def test_the_step_log_has_a_line_per_clean_step_and_says_which_ones_the_fit_used
     last = lines[-1]
     assert (last["rows"], last["draft_tokens"], last["accepted"]) == (8, 16 * ((n - 1) % 2), 8 * ((n - 1) % 2))
     assert last["c_draft"] == pytest.approx(0.0012, rel=0.05)
+    assert last["knee"] == 0.0 and last["c_ctx"] == 0.0  # compute-bound steps: the line prices
 
 
 def test_verification_outcomes_fill_the_reliability_bins():

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks._sim_budget import BUDGETS, make_sim_budget
-from benchmarks._sim_engine import EngineParams, Gpu, Requests, allot_drafts, roofline_time
-from benchmarks._sim_place import PLACEMENTS, assign
-from benchmarks._sim_workload import AcceptanceModel, LengthModel, Roofline, fit_length_model, fit_linear_cost, h100_7b_roofline
+from benchmarks.sim_budget import BUDGETS, makesim_budget
+from benchmarks.sim_engine import EngineParams, Gpu, Requests, allot_drafts, roofline_time
+from benchmarks.sim_placement import PLACEMENTS, assign
+from benchmarks.sim_workload import AcceptanceModel, LengthModel, Roofline, fit_length_model, fit_linear_cost, h100_7b_roofline
 from benchmarks.simulate import ci95, lower_bound_s, main, requests_factory, run_config, synthetic_workload
 
 # A toy GPU whose numbers are easy by hand: 1 ms launch, 1 GB of weights at 1 TB/s (1 ms), 1 KB of
@@ -65,7 +65,7 @@ def _two_requests(kv_aware: bool):
         k=k, a=a, tau_tab=am.tau_table(k, a, 1, 16), tau_loop=am.loop_tau(16), nat_draft=3.7,
     )  # fmt: skip
     params = EngineParams(roof=TOY, max_draft=16, drafter_ms_per_256=0.0, max_tokens=64)
-    gpu = Gpu(0, req, np.arange(2), make_sim_budget("fixed", None, 16, {}, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
+    gpu = Gpu(0, req, np.arange(2), makesim_budget("fixed", None, 16, {}, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
     gpu.run_until(0.022)  # step 1 (prefill of 200 tokens, compute-bound) ends at 21 ms, step 2 after it
     after_two = req.gen.copy()
     gpu.run_until()
@@ -191,7 +191,9 @@ def test_cli_writes_the_required_json_keys(tmp_path, capsys):
         row = data["paper_setting"][k]
         assert row["makespan_s"] > 0 and row["makespan_s_ci95"] >= 0 and row["seeds"] == 2
         assert row["makespan_s"] == pytest.approx(np.mean(row["makespan_s_per_seed"]), abs=1e-3)
-    assert set(data["validation"]) == {"fig1_running_requests", "fig4_acceptance", "fig8_makespan", "fig10_unlimited_vs_length_aware", "shipped_vs_paper"}
+    assert set(data["validation"]) == {"fig1_running_requests", "fig4_acceptance", "fig8_makespan", "fig10_unlimited_vs_length_aware", "shipped_vs_paper",
+                                       "shipped_vs_roofline"}
+    assert data["validation"]["shipped_vs_roofline"]["other"] == "class-roofline"
     from das.config import DASConfig
 
     shipped = data["validation"]["shipped_vs_paper"]
@@ -204,7 +206,7 @@ def test_cli_writes_the_required_json_keys(tmp_path, capsys):
 
 
 def test_sweep_point_pruning_matches_all_gpus():
-    from benchmarks._sim_sweep import run_point
+    from benchmarks.sim_sweep import run_point
 
     params = EngineParams(roof=h100_7b_roofline(), max_draft=16, max_tokens=2048)
     lin = fit_linear_cost(params.roof)
@@ -237,17 +239,23 @@ def test_trace_input(tmp_path):
 
 
 def test_priced_budgets_draft_what_pays_at_the_simulated_price(small):
-    """``cost`` and ``makespan`` run in the simulator at the Eq. 1 line fitted offline (a draft
-    token costs a row's token), and with ``price="knee"`` at the roofline's own price (drafts free
-    below the knee): they draft less than ``fixed`` at the line, more where drafts are free."""
+    """``cost`` and ``makespan`` run in the simulator at the step price fitted online to the GPU's
+    step times (the product's), at the Eq. 1 line fitted offline (``price="linear"``: a draft
+    token costs a row's token) and at the roofline's own price (``price="roofline"``: drafts free
+    below the knee): they draft less than ``fixed`` at the line, more where drafts are free; the
+    online fit, on steps that all lie below the knee here, prices a draft token at a fraction of
+    the offline line's."""
     work, params, lin = small
     fresh = requests_factory(work, params)
     fixed = run_config(work, fresh, "fixed", "none", 2, params, lin, seed=1)
     for budget in ("cost", "makespan"):
-        line = run_config(work, fresh, budget, "none", 2, params, lin, seed=1)
-        knee = run_config(work, fresh, budget, "none", 2, params, lin, seed=1, price="knee")
+        line = run_config(work, fresh, budget, "none", 2, params, lin, seed=1, price="linear")
+        knee = run_config(work, fresh, budget, "none", 2, params, lin, seed=1, price="roofline")
+        online = run_config(work, fresh, budget, "none", 2, params, lin, seed=1)
         assert 0 < line["drafted_per_token"] < fixed["drafted_per_token"]
         assert knee["drafted_per_token"] > line["drafted_per_token"]
-        assert knee["tokens"] == pytest.approx(work["lengths"].sum())
+        assert online["cost_fit_gpu0"]["c_draft"] < 0.5 * lin["c_tok"]
+        assert online["drafted_per_token"] > (0.95 if budget == "cost" else 1.1) * line["drafted_per_token"]
+        assert knee["tokens"] == online["tokens"] == pytest.approx(work["lengths"].sum())
     with pytest.raises(ValueError, match="price"):
         run_config(work, fresh, "cost", "none", 2, params, lin, price="flat")

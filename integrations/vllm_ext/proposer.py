@@ -28,8 +28,10 @@ requests, keeps their state, counts, isolates failures and writes the step log.
 Step log: with ``DAS_STEP_LOG`` set to a file path, every clean decode step is appended to it as
 one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens, accepted draft tokens and what
 its drafts' calibrated probabilities predicted, its seconds, whether the cost fit used it
-(``false``: an idle gap or a warm-up step) and the two-regime fit after it (``null`` before one
-exists); each line has its ``pid`` (engines in several processes may share one file).
+(``false``: an idle gap or a warm-up step) and the step price fitted after it (``null`` before one
+exists; ``knee``: tokens verified below which drafts are free, 0 for the line; ``c_ctx``: seconds
+per KV token read, 0 for the line); each line has its ``pid`` (engines in several processes may
+share one file).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ _INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
 
 BUDGETS = budgets.names("proposer")  # the budgets that run here (scheduler.budgets)
 STEP_LOG_FIELDS = ("pid", "t", "rows", "draft_tokens", "accepted", "predicted", "seconds", "step_tokens", "context_tokens",
-                   "fitted", "c_base", "c_row", "c_draft", "c_spec", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
+                   "fitted", "c_base", "c_row", "c_draft", "c_spec", "c_ctx", "knee", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
 
 
 @dataclasses.dataclass
@@ -149,7 +151,7 @@ class DASProposer:
         path = os.environ.get("DAS_STEP_LOG")
         self._step_log = open(path, "a", buffering=1) if path else None  # line-buffered: one write per step
         self.planner = StepPlanner(budget, cost=cost, given_costs=given, stats=self.stats,
-                                   step_log=self._log_step if self._step_log is not None else None)
+                                   step_log=self._log_step if self._step_log is not None else None, max_draft=self.k)
         self._last_drafted = 0  # draft tokens verified in the step now running
         self.lengths = LengthHistory()  # the length-aware budgets' history of finished rollouts
         self.runner = runner if runner is not None else _find_model_runner()

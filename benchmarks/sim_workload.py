@@ -282,9 +282,9 @@ class AcceptanceModel:
     * **Base** (Eq. 3 parameters per request): ``k ~ Beta`` with mean ``k_mean`` and concentration
       ``k_conc``, shared half by the problem (its history tree) and half by the sample; ``a``
       lognormal around ``a_median``; ``k * a <= 1``. With the defaults a request offered 1 / 4 / 16
-      drafts per step advances about 1.44 / 2.06 / 2.5 tokens per step: the range measured on this
-      machine by replaying a SmolLM2 trace through the suffix drafters (2.05-2.29 at K = 4 and
-      16). No acceptance numbers of a 7B model are published.
+      drafts per step advances about 1.44 / 2.06 / 2.5 tokens per step, the range of a replayed
+      trace through the suffix drafters (evidence: docs/benchmarks.md). No acceptance numbers of a
+      7B model are published.
     * **Live siblings**: the problem tree of an engine also holds the finished GRPO siblings that
       ran on that engine; with ``c`` of the group's ``S - 1`` siblings finished there, the capacity
       is ``1 - (1 - k) * (1 - sibling_gain * c / (S - 1))`` (``sibling_gain`` 0.25: k 0.6 -> 0.7
@@ -298,9 +298,8 @@ class AcceptanceModel:
       continues with probability near 1 at T = 0.6).
 
     * **Draft length**: a suffix drafter stops where its tree becomes unsure, so it proposes fewer
-      tokens than K: outside loops ``natural_draft`` = 3.7 tokens per step (measured: the replay of
-      the SmolLM2 trace at K = 16 drafted 2.98 tokens per accepted one at 2.237 tokens per step,
-      i.e. 3.69 per step, and the same at K = 32), inside a loop all K. A budget ``c`` per step
+      tokens than K: outside loops ``natural_draft`` = 3.7 tokens per step (from a replayed
+      trace, the same at K = 16 and 32; evidence: docs/benchmarks.md), inside a loop all K. A budget ``c`` per step
       then yields ``min(c, natural)`` drafts; "fixed" (no budget) means up to K, not K every step.
 
     Position in the rollout matters only through the loop onset (and the siblings finishing over

@@ -26,10 +26,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._sim_budget import make_sim_budget
-from benchmarks._sim_engine import EngineParams
-from benchmarks._sim_place import run_cluster
-from benchmarks._sim_workload import AcceptanceModel, LengthModel, prompt_lengths
+from benchmarks.sim_budget import makesim_budget
+from benchmarks.sim_engine import EngineParams
+from benchmarks.sim_placement import run_cluster
+from benchmarks.sim_workload import AcceptanceModel, LengthModel, prompt_lengths
 
 SWEEP_GPUS = (8, 32, 128, 512, 2048)
 SWEEP_PER_GPU = (1, 4, 16, 64)
@@ -97,7 +97,7 @@ def _sub_work(w: dict, rows: np.ndarray, rng: np.random.Generator) -> dict:
 
 
 def _requests(sub: dict, params: EngineParams, rows: np.ndarray):
-    from benchmarks._sim_engine import Requests
+    from benchmarks.sim_engine import Requests
 
     p, s = sub["lengths"].shape
     am: AcceptanceModel = sub["acceptance_model"]
@@ -137,7 +137,7 @@ def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am:
         req = fresh()
 
         def factory(g: int, pol=pol):
-            return make_sim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g)
+            return makesim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g, batch_draft=params.batch_draft)
 
         gpus, _ = run_cluster(req, local_gpu, n_gpus, factory, params, gpu_ids=chosen, seed=seed)
         crit = max(gpus, key=lambda g: g.makespan_s)
@@ -201,7 +201,7 @@ def print_sweep(sw: dict) -> None:
 
 
 def plot_sweep(points: list[dict], path: Path) -> Path | None:
-    from benchmarks._sim_report import pyplot
+    from benchmarks.sim_report import pyplot
 
     plt = pyplot()
     if plt is None:

@@ -1,9 +1,9 @@
 """GPUs of the long-tail simulator: continuous batching with speculation, step by step.
 
 The step loop runs in numba (:func:`_run_steps`); between calls Python re-plans the per-request
-draft caps with a speculation budget (:mod:`benchmarks._sim_budget`; every ``replan_every`` steps, and
+draft caps with a speculation budget (:mod:`benchmarks.sim_budget`; every ``replan_every`` steps, and
 after any request finished, was admitted or was preempted) and, for the ``rebalance`` placement, moves
-requests between GPUs at common time boundaries (:mod:`benchmarks._sim_place`).
+requests between GPUs at common time boundaries (:mod:`benchmarks.sim_placement`).
 
 One engine step (vLLM V1-like; all requests arrive at time 0):
 
@@ -15,7 +15,10 @@ between re-plans keeps cap 0 until the next one.
 1. Every running request needs one KV slot for the token it samples; while they do not fit, the
    most recently admitted request is preempted (recompute: its KV is dropped, it goes to the front
    of the waiting queue and is prefilled again, prompt + generated tokens, when re-admitted).
-2. Drafts: a budget caps each running row at ``caps[i]`` tokens. A batch gate (no drafts while
+2. Drafts: a budget caps each running row at ``caps[i]`` tokens; a budget with ``plain_every``
+   ``n > 0`` (a priced one, whose online price must keep seeing plain steps, as the product's
+   planner forces one after :data:`scheduler.planner.PLAIN_EVERY` drafting steps unless drafting
+   pays clearly) drafts nothing in every ``n``-th step. A batch gate (no drafts while
    more than ``gate`` rows run) and a per-step quota (``quota_mode`` 1: a fixed number of draft
    tokens; 2: the roofline knee, :meth:`Roofline.free_draft_tokens`) are spent in the budget's
    priority order. KV-aware (``kv_aware``): the step's drafts also fit in the free KV slots, so no
@@ -24,13 +27,13 @@ between re-plans keeps cap 0 until the next one.
 3. Admission (only in a step without preemption): waiting requests in queue order while fewer than
    ``max_seqs`` run and their prompt (+ generated tokens) fits under ``kv_capacity * (1 -
    watermark)``; an admitted request is prefilled and samples one token in this step, no draft.
-4. Cost (:class:`benchmarks._sim_workload.Roofline`): ``launch + max(compute, memory)`` over the
+4. Cost (:class:`benchmarks.sim_workload.Roofline`): ``launch + max(compute, memory)`` over the
    step's tokens (sampled + drafted + prefilled), attention pairs and KV traffic, plus the
    drafter's CPU time (``drafter_s_per_row`` x running rows) when the budget speculates.
 5. Advance: a row offered ``d`` drafts advances ``tau(d)`` tokens (expected value): outside a loop
    the Eq. 3-4 per-step value for its base acceptance and the siblings finished on this GPU
    (``tau_tab[i, c, d]``), inside its loop ``tau_loop[d]``
-   (:class:`benchmarks._sim_workload.AcceptanceModel`). It finishes at its length.
+   (:class:`benchmarks.sim_workload.AcceptanceModel`). It finishes at its length.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from dataclasses import dataclass, field
 import numba
 import numpy as np
 
-from benchmarks._sim_workload import Roofline
+from benchmarks.sim_workload import Roofline
 from scheduler.budget_protocol import allot_in_order
 
 WAITING, RUNNING, DONE = 0, 1, 2
@@ -79,9 +82,9 @@ def _run_steps(
     mem, length, prompt, loop_at, grp, gen, status, stamp, wait_key, caps, order, tau_tab, tau_loop, nat_draft,
     drafted, accepted, steps, finish, grp_done, stats_pos, stats_sib,
     t0, t_stop, max_steps, kv_cap, max_seqs, watermark,
-    launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, drafter_s_row, spec_on,
+    launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, drafter_s_row, spec_on, plain_every,
     kv_aware, quota_mode, quota_fixed, gate, max_tokens, additive,
-    counters, rec_t, rec_b, rec_n, rec_ctx, rec_dt, rec_off,
+    counters, rec_t, rec_b, rec_n, rec_ctx, rec_dt, rec_d, rec_pre, rec_off,
 ):  # fmt: skip
     n = length.size
     n_sib = tau_tab.shape[1]
@@ -125,7 +128,8 @@ def _run_steps(
             break
         # 2. drafts: a row wants min(cap, what the drafter proposes: nat_draft outside a loop, K in it)
         ndraft = 0.0
-        if spec_on and nrun > 0 and (gate < 0 or nrun <= gate):
+        drafting = spec_on and (plain_every <= 0 or (rec_off + s) % plain_every != plain_every - 1)
+        if drafting and nrun > 0 and (gate < 0 or nrun <= gate):
             budget = 1e18
             if quota_mode == 1:
                 budget = quota_fixed
@@ -207,7 +211,7 @@ def _run_steps(
                 kvread += c_i
         tokens = qtok + prefill
         dt = roofline_time(tokens, attn, kvread + tokens, launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, additive)
-        if spec_on:
+        if drafting:
             dt += drafter_s_row * nrun
         # 5. advance
         for j in range(mem.size):
@@ -261,6 +265,8 @@ def _run_steps(
         rec_n[rec_off + s] = tokens
         rec_ctx[rec_off + s] = kvread
         rec_dt[rec_off + s] = dt
+        rec_d[rec_off + s] = ndraft
+        rec_pre[rec_off + s] = prefill
         s += 1
         if event:
             break
@@ -274,7 +280,8 @@ class EngineParams:
     roof: Roofline
     max_seqs: int = 1024  # vLLM V1 default on >= 70 GiB GPUs
     watermark: float = 0.01
-    max_draft: int = 16
+    max_draft: int = 32  # K, the engine's most draft tokens per row and step (a priced budget's rows in the long tail)
+    batch_draft: int = 16  # most draft tokens per row and step before the long tail (scheduler.tail_drafts)
     replan_every: int = 16
     drafter_ms_per_256: float = 1.0  # drafter CPU time per step at 256 rows (linear in rows)
     timing_noise: float = 0.05  # relative noise of the step times a cost model observes
@@ -337,7 +344,7 @@ class Requests:
 
 
 class Gpu:
-    """One engine: its member requests, clock, speculation budget (:class:`benchmarks._sim_budget.SimBudget`) and step records."""
+    """One engine: its member requests, clock, speculation budget (:class:`benchmarks.sim_budget.SimBudget`) and step records."""
 
     def __init__(self, gid: int, req: Requests, members: np.ndarray, budget, params: EngineParams, n_groups: int,
                  stats_pos: np.ndarray, stats_sib: np.ndarray, seed: int = 0):
@@ -354,7 +361,7 @@ class Gpu:
         self.stats_pos, self.stats_sib = stats_pos, stats_sib
         self.rng = np.random.default_rng(seed)
         cap = 4096
-        self.rec = {k: np.zeros(cap) for k in ("t", "n", "ctx", "dt")}
+        self.rec = {k: np.zeros(cap) for k in ("t", "n", "ctx", "dt", "d", "pre")}  # ... draft tokens, prefill tokens
         self.rec["b"] = np.zeros(cap, np.int64)
         self.off = 0
         self.since_plan = 1 << 30
@@ -408,16 +415,16 @@ class Gpu:
                 r.drafted, r.accepted, r.steps, r.finish, self.grp_done, self.stats_pos, self.stats_sib,
                 self.t, t_stop, max_steps, float(roof.kv_capacity_tokens), p.max_seqs, p.watermark,
                 roof.launch_s, roof.weight_bytes, roof.kv_bytes_per_token, roof.flops_per_token, roof.attn_flops_per_pair, roof.bytes_per_s, roof.flops_per_s,
-                p.drafter_ms_per_256 * 1e-3 / 256.0, pol.spec_on, pol.kv_aware and p.kv_aware, pol.quota_mode, float(pol.quota), pol.gate,
+                p.drafter_ms_per_256 * 1e-3 / 256.0, pol.spec_on, pol.plain_every, pol.kv_aware and p.kv_aware, pol.quota_mode, float(pol.quota), pol.gate,
                 float(p.max_tokens), p.additive_cost,
-                self.counters, self.rec["t"], self.rec["b"], self.rec["n"], self.rec["ctx"], self.rec["dt"], self.off,
+                self.counters, self.rec["t"], self.rec["b"], self.rec["n"], self.rec["ctx"], self.rec["dt"], self.rec["d"], self.rec["pre"], self.off,
             )  # fmt: skip
             if self.counters[2]:
                 raise RuntimeError(f"GPU {self.gid}: a request can never be admitted (KV capacity {roof.kv_capacity_tokens} tokens too small)")
             self.t = t
             if s:
                 o = self.off
-                pol.observe(self, self.rec["n"][o : o + s], self.rec["dt"][o : o + s], self.rec["ctx"][o : o + s])
+                pol.observe(self, {k: v[o : o + s] for k, v in self.rec.items()})
                 self.off += s
                 self.since_plan += s
                 # an event (finish / admission / preemption) ends a call early: re-plan

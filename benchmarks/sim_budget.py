@@ -5,24 +5,33 @@ The simulator runs the budgets the product runs (:mod:`scheduler.budgets`; the f
 the simulator's host for one: at each re-plan it builds the
 :class:`scheduler.budget_protocol.StepView` of its GPU's rows, sets each row's draft cap
 (``Requests.caps``) and the priority order (``Gpu.order``, highest first), and tells the step loop
-(:mod:`benchmarks._sim_engine`) how to spend them: ``spec_on`` (the drafter runs; its CPU time is
+(:mod:`benchmarks.sim_engine`) how to spend them: ``spec_on`` (the drafter runs; its CPU time is
 charged), ``kv_aware`` (drafts never force a preemption), ``quota_mode`` / ``quota`` (draft tokens
 per step: 0 unlimited, 1 fixed, 2 the roofline knee, from the budget's ``quota``) and ``gate`` (no
 drafts while more rows run; -1: none).
 
 Where the product measures, the simulator stands in with its models:
 
-* a priced budget (``cost``, ``makespan``) gets the price of the Eq. 1 line fitted offline to the
-  simulated step-cost model (:func:`benchmarks._sim_workload.fit_linear_cost`, the same constants
-  ``class-eq9`` gets) instead of the online two-regime fit, and each row's draft candidates with
-  path probabilities from the acceptance model (perfectly calibrated: draft token ``j`` of a row
-  is accepted with probability ``tau(j) - tau(j - 1)``, the expected tokens per step ``tau`` of
-  the row's state, up to the drafter's natural draft length outside a loop and K in one); a
-  re-plan where no draft can pay turns the drafter off (the product skips its lookups then);
-  With ``price="knee"`` (``benchmarks.simulate --knee-price``, an experiment for a price that
-  learns the knee, not what the product has) the price is instead the roofline's own at the
-  step: a plain step's seconds, draft tokens free up to the knee
-  (:meth:`benchmarks._sim_workload.Roofline.free_draft_tokens`) and priced at their compute above it;
+* a priced budget (``cost``, ``makespan``) gets, as in the product, the step price fitted online
+  to the GPU's own step times (``price="online"``: :class:`scheduler.knee_cost.KneeCost`, the
+  two-regime line or a knee where the steps show one, fed each clean step's rows, draft tokens and
+  seconds with 5% noise; the simulated roofline plays the engine, the budget sees only step
+  times; as the product's planner, a step after :data:`scheduler.planner.PLAIN_EVERY` drafting
+  ones drafts nothing, so that the fit keeps seeing plain steps, unless drafting pays at least
+  :data:`scheduler.planner.PLAIN_PAYOFF` times a plain step's tokens per second: the product
+  measures that, the simulator takes the re-plan's expected tokens at its price). Until that
+  fit is ready (both regimes seen), re-plans alternate between no drafts and drafts priced by the
+  Eq. 1 line fitted offline (the product's warm-up alternates plain and drafting steps). Each
+  row's draft candidates have path probabilities from the acceptance model (perfectly
+  calibrated: draft token ``j`` of a row is accepted with probability
+  ``tau(j) - tau(j - 1)``, the expected tokens per step ``tau`` of the row's state, up to the
+  drafter's natural draft length outside a loop and K in one); a re-plan where no draft can pay
+  turns the drafter off (the product skips its lookups then). Ablations (``benchmarks.simulate
+  --price-ablations``): ``price="linear"``, the Eq. 1 line fitted offline to the step-cost model
+  (:func:`benchmarks.sim_workload.fit_linear_cost`, the constants ``class-eq9`` gets), and
+  ``price="roofline"``, the roofline's own price at the step (a plain step's seconds, draft tokens
+  free up to its knee, :meth:`benchmarks.sim_workload.Roofline.free_draft_tokens`, and priced at
+  their compute above it: what a perfect fit would know);
 * ``eq7`` fits its Eq. 1 + context cost model online from the simulated step times with 5% noise;
 * ``class-eq9`` gets the same offline Eq. 1 constants, as the paper fits them offline.
 
@@ -36,10 +45,14 @@ import numpy as np
 from scheduler import LengthPredictor, budgets
 from scheduler.budget_protocol import Budget, Drafts, RowFacts, StepView
 from scheduler.cost_model import CostModel
+from scheduler.knee_cost import KneeCost
+from scheduler.planner import PLAIN_EVERY, PLAIN_PAYOFF
 from scheduler.step_price import LinearPrice
+from scheduler.tail_drafts import BATCH_DRAFT, TailDrafts
 
 BUDGETS = budgets.names("simulator")  # none, fixed, cost, makespan, class-eq9, class-roofline, eq7
 QUOTA_MODES = {None: 0, "fixed": 1, "knee": 2}  # a budget's quota rule -> the step loop's quota_mode
+PRICES = ("online", "linear", "roofline")  # a priced budget's step price (module doc)
 
 
 class SimBudget:
@@ -48,24 +61,31 @@ class SimBudget:
     Args:
         budget: the budget (:func:`scheduler.budgets.make_budget`).
         predictor: the length predictor of the workload (None: the budget reads no lengths).
-        max_draft: K.
+        max_draft: K, the engine's most draft tokens per row and step.
         linear_cost: ``{"c_base", "c_tok"}``, the Eq. 1 line fitted offline (a priced budget's price).
         cost: the online cost model an ``uses_cost_fit`` budget reads (fed by :meth:`observe`).
         seed: seed of the step-time noise the cost model sees.
         noise: relative noise of those step times.
         kv_aware: drafts never force a preemption.
-        price: ``"linear"`` (the offline Eq. 1 line) or ``"knee"`` (the roofline's price at the step), for a priced budget.
+        price: of a priced budget, one of :data:`PRICES` (module doc).
+        batch_draft: the most draft tokens per row before the long tail
+            (:class:`scheduler.tail_drafts.TailDrafts`, as the product's planner: a priced budget's
+            rows may draft up to K in the tail).
     """
 
     def __init__(self, budget: Budget, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, cost: CostModel | None = None,
-                 seed: int = 0, noise: float = 0.05, kv_aware: bool = True, price: str = "linear"):
-        if price not in ("linear", "knee"):
-            raise ValueError(f"price must be 'linear' or 'knee', got {price!r}")
+                 seed: int = 0, noise: float = 0.05, kv_aware: bool = True, price: str = "online", batch_draft: int = BATCH_DRAFT):
+        if price not in PRICES:
+            raise ValueError(f"price must be one of {PRICES}, got {price!r}")
         self.price = price
+        self.fit = KneeCost(refit_every=4) if budget.priced and price == "online" else None  # the online step price
+        self.plain_every = PLAIN_EVERY + 1 if self.fit is not None else 0  # the step loop drafts nothing in every such step
+        self.plans = 0
         self.budget = budget
         self.name = budget.name
         self.pred = predictor
         self.max_draft = int(max_draft)
+        self.tail = TailDrafts(self.max_draft, batch_draft, extends=budget.priced)
         self.linear_cost = linear_cost
         self.cost = cost
         self.dynamic = not budget.static
@@ -92,7 +112,7 @@ class SimBudget:
         """Caps and priority of ``rows`` (the GPU's running rows; all its members for a static budget)."""
         r = gpu.req
         n = rows.size
-        step = StepView(np.full(n, self.max_draft, np.int64), facts=lambda: RowFacts(
+        step = StepView(self.tail.limit(np.full(n, self.max_draft, np.int64)), facts=lambda: RowFacts(
             self.pred, r.problem_idx[rows], r.gen[rows], np.full(n, float(gpu.p.max_tokens)), r.drafted[rows], r.accepted[rows],
             r.steps[rows], context=r.prompt[rows] + r.gen[rows]))
         caps = self.budget.plan(step)
@@ -102,18 +122,27 @@ class SimBudget:
             drafts = self.candidates(gpu, rows, caps)
             offered = drafts.lengths > 0
             best = float(drafts.probs[offered, 0].max()) if offered.any() else 0.0
-            self.spec_on = self.budget.can_pay(step, caps, best)
+            warming = self.fit is not None and not self.fit.ready
+            self.spec_on = self.budget.can_pay(step, caps, best) and not (warming and self.plans % 2 == 0)
             caps = np.minimum(self.budget.keep(step, drafts), drafts.lengths) if self.spec_on else np.zeros(n, np.int64)
+            if self.fit is not None:
+                kept = np.arange(drafts.probs.shape[1])[None, :] < caps[:, None]
+                m = float(caps.sum())
+                payoff = (n + float(drafts.probs[kept].sum())) / step.price.speculative_s(m) * step.price.plain_s / n if m else 0.0
+                self.plain_every = 0 if payoff >= PLAIN_PAYOFF else PLAIN_EVERY + 1
+            self.plans += 1
         r.caps[rows] = caps
         order = self.budget.priority(step)
         gpu.order = rows.copy() if order is None else rows[order]
 
     def step_price(self, gpu, rows: np.ndarray) -> LinearPrice:
-        """The price of a step of ``rows`` (module doc): the offline Eq. 1 line, or the roofline's
-        own with a knee (a memory-bound step: its fixed cost is the whole plain step, a row's own
-        cost its KV read)."""
+        """The price of a step of ``rows`` (module doc): the online fit (the offline Eq. 1 line
+        until it is ready), the offline line, or the roofline's own with its knee (a memory-bound
+        step: its fixed cost is the whole plain step, a row's own cost its KV read)."""
         n = rows.size
-        if self.price == "linear":
+        if self.fit is not None and self.fit.ready:
+            return self.fit.price(n, float((gpu.req.prompt[rows] + gpu.req.gen[rows]).sum()))
+        if self.price != "roofline":
             return LinearPrice.given(self.linear_cost["c_base"], self.linear_cost["c_tok"], n)
         roof = gpu.p.roof
         ctx = float((gpu.req.prompt[rows] + gpu.req.gen[rows]).sum())
@@ -136,22 +165,33 @@ class SimBudget:
         lengths = np.minimum(np.where(looping, k, natural), caps).astype(np.int64)
         return Drafts(probs, np.maximum(lengths, 0))
 
-    def observe(self, gpu, n_tokens, seconds, context) -> None:
-        """The steps' times (seconds), into the online cost model of a budget that reads one."""
-        if self.cost is None or not self.budget.uses_cost_fit:
+    def observe(self, gpu, steps: dict) -> None:
+        """The steps just run (the GPU's step records: ``b`` rows, ``d`` draft tokens, ``pre``
+        prefill tokens, ``n`` tokens, ``ctx`` KV tokens read, ``dt`` seconds), their times with
+        ``noise``, into the online fit a budget reads: the Eq. 1 cost model of ``eq7``, or the step
+        price of a priced budget (only clean steps: no prefill in them, as the product's)."""
+        if self.fit is None and (self.cost is None or not self.budget.uses_cost_fit):
             return
-        noisy = seconds * np.exp(self.noise * self.rng.standard_normal(seconds.size))
-        self.cost.observe(n_tokens, noisy, context)
+        noisy = steps["dt"] * np.exp(self.noise * self.rng.standard_normal(steps["dt"].size))
+        if self.fit is not None:
+            clean = steps["pre"] == 0
+            self.fit.observe_steps(steps["b"][clean], steps["d"][clean], noisy[clean], steps["ctx"][clean])
+        else:
+            self.cost.observe(steps["n"], noisy, steps["ctx"])
 
     def cost_fit(self) -> dict | None:
-        """The online cost model's coefficients (None: the budget reads none, or not fitted yet)."""
+        """The online fit's coefficients (None: the budget reads none, or not fitted yet): the
+        step price's (with its ``knee``) for a priced budget, the Eq. 1 model's for ``eq7``."""
+        if self.fit is not None:
+            return self.fit.coefficients() if self.fit.ready else None
         return self.cost.coefficients() if self.cost is not None and self.budget.uses_cost_fit else None
 
 
-def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, seed: int = 0,
-                    kv_aware: bool = True, price: str = "linear") -> SimBudget:
-    """A fresh per-GPU budget ``name`` (one offered in the simulator). ``linear_cost``: the offline
-    Eq. 1 fit (``c_base``, ``c_tok``).
+def makesim_budget(name: str, predictor: LengthPredictor | None, max_draft: int, linear_cost: dict, *, seed: int = 0,
+                    kv_aware: bool = True, price: str = "online", batch_draft: int = BATCH_DRAFT) -> SimBudget:
+    """A fresh per-GPU budget ``name`` (one offered in the simulator). ``max_draft``: K;
+    ``linear_cost``: the offline Eq. 1 fit (``c_base``, ``c_tok``); ``batch_draft``: the cap before
+    the long tail (:class:`SimBudget`).
 
     Raises:
         ValueError: an unknown or former name (the message gives the valid or the new one).
@@ -160,4 +200,4 @@ def make_sim_budget(name: str, predictor: LengthPredictor | None, max_draft: int
     offline = (linear_cost["c_base"], linear_cost["c_tok"]) if "c_base" in linear_cost else None
     setting = budgets.BudgetSetting(max_draft=max_draft, cost=cost, offline_cost=offline, seed=seed)
     budget = budgets.make_budget(name, "simulator", setting)
-    return SimBudget(budget, predictor, max_draft, linear_cost, cost=cost, seed=seed, kv_aware=kv_aware, price=price)
+    return SimBudget(budget, predictor, max_draft, linear_cost, cost=cost, seed=seed, kv_aware=kv_aware, price=price, batch_draft=batch_draft)

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks._sim_budget import BUDGETS
-from benchmarks._sim_place import PLACEMENTS
+from benchmarks.sim_budget import BUDGETS
+from benchmarks.sim_placement import PLACEMENTS
 
 
 def config_name(budget: str, placement: str) -> str:
@@ -112,7 +112,7 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
     roof = out["costs"]["roofline"]
     lin = out["costs"]["eq1_offline_fit"]
     print(f"{key}: {s['prompts']} prompts x {s['samples']} samples on {s['gpus']} GPUs, max {s['max_tokens']} tokens, "
-          f"K={s['max_draft']}, {s['seeds']} seeds (mean +- 95% t-interval)")
+          f"K={s['max_draft']} (batch {s.get('batch_draft', s['max_draft'])}), {s['seeds']} seeds (mean +- 95% t-interval)")
     print(f"lengths (all seeds): mean {ls['mean']:.0f}, median {ls['median']:.0f}, p90 {ls['p90']:.0f}, "
           f"at cap {100 * ls['capped_share']:.1f}% (in a repetition loop: {100 * ls['loop_share']:.1f}% of all rollouts)")
     print(f"roofline step: launch {1e3 * roof['launch_s']:.1f} ms + max(compute at {roof['flops_per_s'] / 1e12:.0f} TFLOP/s, "
@@ -123,7 +123,7 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
                       for r, d, c in ((256, 0, 3000), (256, 4, 3000), (256, 16, 3000), (64, 0, 8000), (64, 16, 8000), (1, 0, 12000), (1, 16, 12000)))
     knees = ", ".join(f"{r} rows x {c // 1000}K {ex[f'knee_draft_tokens_rows{r}_ctx{c}']:.0f}" for r, c in ((256, 3000), (64, 8000), (4, 12000)))
     print(f"decode step ms (rows, drafts/row, context/row): {steps}; free draft tokens (knee): {knees}")
-    print(f"Eq. 1 fitted offline to it (class-eq9, and the priced budgets' price): c_base {1e3 * lin['c_base']:.2f} ms, "
+    print(f"Eq. 1 fitted offline to it (class-eq9, the priced budgets' warm-up): c_base {1e3 * lin['c_base']:.2f} ms, "
           f"c_tok {1e6 * lin['c_tok']:.1f} us/token, mean relative error {100 * lin['mean_rel_error']:.0f}% (paper: ~12% on a 7B)")
     heads = ["budget"] + [f"placement {pl}" for pl in placements]
     right = ["left"] + ["right"] * len(placements)
@@ -147,17 +147,22 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
         base = table.get(n.split(" (")[0], r)
         print(f"extra: {n}: {r['makespan_s']:.1f} +- {r['makespan_s_ci95']:.1f} s ({100 * r['cut_vs_none']:+.0f}%), "
               f"preemptions {r['preemptions']:.1f} (as listed: {base['makespan_s']:.1f} s, {base['preemptions']:.1f})")
+    for n, r in table.items():
+        c = r.get("cost_fit_gpu0_seed0")
+        if c and "knee" in c:
+            print(f"online step price of {n} (GPU 0, seed 0, at its end): knee {c['knee']:.0f} tokens verified, c_base {1e3 * c['c_base']:.2f} ms, "
+                  f"c_row {1e6 * c['c_row']:.1f} us, c_draft {1e6 * c['c_draft']:.1f} us, c_spec {1e6 * c['c_spec']:.1f} us")
     rows = [[n, *(float(r[k]) for k in ("tokens_per_row_step", "drafted_per_token", "preemptions", "moves"))] for n, r in table.items()]
     print(tabulate(rows, ["budget+placement", "tok/row-step", "drafted/tok", "preempt", "moves"], floatfmt=["", ".2f", ".2f", ".1f", ".1f"]))
     lb = out["lower_bound_s"]
     print(f"lower bound, the longest request alone at one-row step cost (mean over seeds): {lb['none']:.1f} s without drafts, "
           f"{lb['speculative']:.1f} s with them")
     v = out["validation"]
-    sv = v["shipped_vs_paper"]
-    if "shipped_cut_vs_other" in sv:
-        print(f"the product ships {sv['shipped']!r} (das.config.DASConfig.budget): cut {100 * sv['shipped_cut_vs_none']:.1f}% vs none, "
-              f"{sv['other']} {100 * sv['other_cut_vs_none']:.1f}%; {sv['shipped']} makespan {100 * sv['shipped_cut_vs_other']:+.1f}% "
-              f"+- {100 * sv['shipped_cut_vs_other_ci95']:.1f} shorter than {sv['other']}'s (paired per seed)")
+    for sv in (v["shipped_vs_paper"], v["shipped_vs_roofline"]):
+        if "shipped_cut_vs_other" in sv:
+            print(f"the product ships {sv['shipped']!r} (das.config.DASConfig.budget): cut {100 * sv['shipped_cut_vs_none']:.1f}% vs none, "
+                  f"{sv['other']} {100 * sv['other_cut_vs_none']:.1f}%; {sv['shipped']} makespan {100 * sv['shipped_cut_vs_other']:+.1f}% "
+                  f"+- {100 * sv['shipped_cut_vs_other_ci95']:.1f} shorter than {sv['other']}'s (paired per seed)")
     f8 = v["fig8_makespan"]
     if f8["best_length_aware"]:
         print(f"validation Fig. 8: best length-aware {f8['best_length_aware']}: cut {100 * f8['best_cut']:.1f}% +- "
@@ -173,7 +178,8 @@ def print_table(out: dict, key: str, budgets, placements, args) -> None:
     if acc:
         sib = acc["tokens_per_step_by_finished_siblings"]
         pos = acc["position_tokens"]
-        print(f"validation Fig. 4 (fixed, K={s['max_draft']}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, "
+        k_fixed = min(s["max_draft"], s.get("batch_draft", s["max_draft"]))
+        print(f"validation Fig. 4 (fixed, K={k_fixed}): tokens per step outside loops {acc['overall_tokens_per_step_outside_loops']:.2f}, "
               f"in loops {acc['overall_tokens_per_step_in_loops']:.2f}; by finished siblings on the engine ("
               + ", ".join(f"{c}: {x:.2f}" for c, x in enumerate(sib) if c % 5 == 0 or c == len(sib) - 1)
               + "); all rows by position (K tokens): "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from benchmarks._sim_engine import DONE, POS_BINS, RUNNING, WAITING, EngineParams, Gpu, Requests
+from benchmarks.sim_engine import DONE, POS_BINS, RUNNING, WAITING, EngineParams, Gpu, Requests
 from scheduler import LengthPredictor, assign_groups
 
 PLACEMENTS = ("none", "lpt", "split", "rebalance")
