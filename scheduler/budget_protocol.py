@@ -131,6 +131,12 @@ class StepView:
         return self._live_rows
 
     @property
+    def has_facts(self) -> bool:
+        """Whether the host gave the rows' :class:`RowFacts` (a budget that only refines its
+        choice with them goes without when not)."""
+        return self._facts is not None
+
+    @property
     def facts(self) -> RowFacts:
         """The live rows' :class:`RowFacts` (computed on first use).
 

@@ -57,7 +57,7 @@ def select_drafts(path_probs: list[np.ndarray], c_base: float, c_tok: float, cal
 def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spec_base_s: float, per_draft_s: float,
                   calibration: float | np.ndarray = 1.0, prob_map: Callable[[np.ndarray], np.ndarray] | None = None,
                   values: np.ndarray | None = None, lengths: np.ndarray | None = None, peak: dict | None = None,
-                  free_drafts: float = 0.0) -> np.ndarray:
+                  free_drafts: float = 0.0, free_weights: np.ndarray | None = None) -> np.ndarray:
     """Throughput-optimal draft tokens per row when plain and speculative steps are priced apart.
 
     A step over ``B`` rows costs ``plain_s`` seconds without drafts and
@@ -93,6 +93,12 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
             whether drafts cut short kept what longer ones would (:func:`cut_kept_the_same`).
         free_drafts: draft tokens per step priced at nothing (>= 0; the knee of a flat step
             price): ``m`` draft tokens cost ``spec_base_s + per_draft_s * max(m - free_drafts, 0)``.
+        free_weights: optional float ``[rows]`` (>= 0), used only with ``free_drafts > 0``: the
+            free draft tokens go to the tokens with the largest ``p * free_weights[row]`` (a
+            makespan rule spends them on the rows predicted to finish last first, as DAS's
+            length classes do); the tokens after them follow the rule's own order (``p``, or
+            ``p v`` with ``values``) and the price. None, or ``free_drafts`` 0: the rule's own
+            order throughout (the linear price's decisions are unchanged by it).
 
     Returns:
         int64 ``[rows]``: leading draft tokens to keep per row.
@@ -138,14 +144,14 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
         if v.shape != (rows,) or np.any(~np.isfinite(v)) or np.any(v < 0):
             raise ValueError(f"values must be {rows} finite seconds >= 0 (one per row), got shape {v.shape}")
         saving = probs * v[owner]
-        order = np.argsort(-saving, kind="stable")
+        order = _free_first(np.argsort(-saving, kind="stable"), probs, owner, free_drafts, free_weights, rows)
         priced = per_draft_s * (np.arange(len(order)) >= free_drafts) if free_drafts else per_draft_s
         net = np.cumsum(saving[order] - priced) - max(spec_base_s - plain_s, 0.0)
         best = int(np.argmax(net))
         if net[best] <= 0:
             return keep
         return np.bincount(owner[order[: best + 1]], minlength=rows).astype(np.int64)
-    order = np.argsort(-probs, kind="stable")
+    order = _free_first(np.argsort(-probs, kind="stable"), probs, owner, free_drafts, free_weights, rows)
     gain = rows + np.cumsum(probs[order])  # expected tokens with the top m+1 drafts
     m = np.arange(1, len(order) + 1)
     rate = gain / (spec_base_s + per_draft_s * (np.maximum(m - free_drafts, 0.0) if free_drafts else m))
@@ -155,6 +161,22 @@ def choose_drafts(path_probs: list[np.ndarray] | np.ndarray, plain_s: float, spe
     if rate[best] <= rows / plain_s:  # no draft at all beats every choice
         return keep
     return np.bincount(owner[order[: best + 1]], minlength=rows).astype(np.int64)
+
+
+def _free_first(order: np.ndarray, probs: np.ndarray, owner: np.ndarray, free_drafts: float, free_weights: np.ndarray | None,
+                rows: int) -> np.ndarray:
+    """``order`` with the step's free draft tokens first: the ``ceil(free_drafts)`` tokens of
+    largest ``p * free_weights[row]``, then the others in ``order`` (unchanged without a knee or weights)."""
+    if not free_drafts or free_weights is None:
+        return order
+    w = np.asarray(free_weights, np.float64)
+    if w.shape != (rows,) or np.any(~np.isfinite(w)) or np.any(w < 0):
+        raise ValueError(f"free_weights must be {rows} finite weights >= 0 (one per row), got shape {w.shape}")
+    n_free = min(int(np.ceil(free_drafts)), len(order))
+    first = np.argsort(-(probs * w[owner]), kind="stable")[:n_free]
+    rest = np.ones(len(order), bool)
+    rest[first] = False
+    return np.concatenate([first, order[rest[order]]])
 
 
 def keep_bound(rows: int, plain_s: float, spec_base_s: float, per_draft_s: float, values: np.ndarray | None = None) -> float:

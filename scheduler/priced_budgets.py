@@ -8,6 +8,13 @@
   request finishes last given the length predictor (:mod:`scheduler.makespan`, DAS Eq. 2 split by
   regime); keep the tokens whose expected saving beats their price.
 
+Under a price with a knee (``free_drafts > 0``: a memory-bound GPU step, flat below the knee) both
+spend the step's free draft tokens on the rows predicted to finish last first
+(:meth:`~CostBudget.free_weights`): in a draining batch those rows set the makespan, so their
+accepted tokens save whole steps while a short row's save nearly nothing (DAS spends its drafts
+on the Long class first for the same reason); the tokens above the knee follow the rule and the
+price. Under a linear price (no knee) nothing is free and the decisions are the price's alone.
+
 Both read from the :class:`scheduler.budget_protocol.StepView` its ``price``
 (:class:`scheduler.step_price.LinearPrice`, online :class:`scheduler.knee_cost.KneeCost`), the rows' ``calibration`` factors and the
 ``prob_map`` of raw to calibrated path probabilities, which the host sets: the vLLM proposer's
@@ -34,10 +41,15 @@ from scheduler.budget_protocol import Budget, Drafts, StepView
 from scheduler.draft_selection import choose_drafts, cut_kept_the_same, drafting_can_pay, keep_bounds
 from scheduler.makespan import last_finish_probability, token_values
 
-__all__ = ["GUESS_ROWS", "GUESS_SHARE", "CostBudget", "DraftCut", "MakespanBudget"]
+__all__ = ["FREE_WEIGHT_POWER", "GUESS_ROWS", "GUESS_SHARE", "CostBudget", "DraftCut", "MakespanBudget"]
 
 GUESS_SHARE = 0.9  # a step's drafts are cut at this share of the last step's keep threshold (checked after the selection)
 GUESS_ROWS = 128  # ... in steps of this many rows or more, where that threshold moves little from step to step
+# Under a knee, a row's draft tokens rank for the free drafts by p * (its predicted remaining / the
+# longest's) ** this: a row predicted at half the longest counts an eighth, so the rows on the
+# critical path draft first, yet a long row's unlikely tokens do not crowd out a likely token of a
+# row nearly as long (the simulator's comparison of powers: docs/benchmarks.md).
+FREE_WEIGHT_POWER = 3
 
 
 class DraftCut(NamedTuple):
@@ -74,6 +86,26 @@ class CostBudget(Budget):
     def values(self, step: StepView) -> np.ndarray | None:
         """Seconds one accepted draft token saves, per row; None: the throughput rule."""
         return None
+
+    def free_weights(self, step: StepView) -> np.ndarray | None:
+        """Per row, the weight of its draft tokens for the step's free draft tokens (a price with
+        a knee): the row's predicted remaining length (:meth:`StepView.remaining`, at least 1 and
+        at most the tokens left before ``max_tokens``) over the batch's longest, to the power
+        :data:`FREE_WEIGHT_POWER` (float64 ``[rows]`` in ``[0, 1]``), 0 for rows that
+        may not draft, so the free drafts go to the rows predicted to finish last first (the
+        makespan's critical path; DAS's Long class first). None under a linear price (no free
+        drafts: the decisions are the price's alone), without live rows, or when the host gave no
+        length facts (:attr:`StepView.has_facts`: the probabilities alone order the free drafts).
+        Computed once per step."""
+        if not step.price.free_drafts or not step.live.any() or not step.has_facts:
+            return None
+        if "free_weights" not in step.memo:
+            f = step.facts
+            left = np.maximum(np.asarray(f.max_tokens, np.float64) - np.asarray(f.generated, np.float64), 1.0)
+            w = np.zeros(step.rows)
+            w[step.live_rows] = np.clip(step.remaining(), 1.0, left)
+            step.memo["free_weights"] = (w / w.max()) ** FREE_WEIGHT_POWER
+        return step.memo["free_weights"]
 
     def can_pay(self, step: StepView, caps: np.ndarray, best_prob: float) -> bool:
         """Whether any draft could pay this step if every draft token had calibrated probability
@@ -115,7 +147,8 @@ class CostBudget(Budget):
     def keep(self, step: StepView, drafts: Drafts) -> np.ndarray:
         price = step.price
         return choose_drafts(drafts.probs, *price.as_tuple(), step.calibration, prob_map=step.prob_map, values=self.values(step),
-                             lengths=drafts.lengths, peak=step.peak, free_drafts=price.free_drafts)
+                             lengths=drafts.lengths, peak=step.peak, free_drafts=price.free_drafts,
+                             free_weights=self.free_weights(step))
 
     def learn(self, step: StepView) -> None:
         """After the step's final selection: remember where its rate peaked (the next guess)."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler import budgets
@@ -19,6 +19,7 @@ from scheduler.speculation import RequestCaps
 from scheduler.step_price import LinearPrice
 
 C_BASE, C_TOK = 6.3e-3, 23.8e-6
+SEEDS_ = st.integers(0, 2**32 - 1)
 
 
 def _view(pred, pids, generated, *, caps=16, live=None, drafted=None, accepted=None, steps=None, max_tokens=16384):
@@ -193,6 +194,35 @@ def test_makespan_budget_values_the_row_that_finishes_last(length_history):
     kept = b.keep(step, Drafts(probs, np.full(8, 3)))
     assert kept[-1] > 0 and kept[:-1].sum() == 0
     assert b.values(_priced(StepView(np.zeros(2, np.int64), np.zeros(2, bool)), LinearPrice.given(0.02, 0.001, 2))) is None
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(SEEDS_, st.sampled_from([CostBudget, MakespanBudget]))
+def test_priced_budgets_keep_exactly_the_price_rule_at_a_linear_price(length_history, seed, cls):
+    """At a linear price (no knee) the rows' predicted lengths weigh nothing in the free drafts:
+    the budget keeps what :func:`choose_drafts` keeps from the probabilities (and, for
+    ``makespan``, its values) alone, on random batches."""
+    rng = np.random.default_rng(seed)
+    rows, k = int(rng.integers(1, 48)), int(rng.integers(1, 17))
+    pids = [f"{'long' if rng.random() < 0.5 else 'short'}{rng.integers(10)}" for _ in range(rows)]
+    b = cls()
+    step = _priced(_view(length_history, pids, rng.integers(0, 12000, rows).astype(np.float64)),
+                   LinearPrice.given(float(rng.uniform(1e-3, 0.05)), float(rng.uniform(1e-6, 1e-3)), rows))
+    probs = np.sort(rng.random((rows, k)), axis=1)[:, ::-1].astype(np.float32)
+    drafts = Drafts(probs, rng.integers(0, k + 1, rows))
+    assert b.free_weights(step) is None
+    want = choose_drafts(probs, *step.price.as_tuple(), step.calibration, values=b.values(step), lengths=drafts.lengths)
+    assert b.keep(step, drafts).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("cls", [CostBudget, MakespanBudget])
+def test_under_a_knee_the_row_predicted_to_finish_last_gets_the_free_drafts_first(length_history, cls):
+    b = cls()
+    step = _priced(_view(length_history, ["short0", "long0"], np.zeros(2)), LinearPrice(0.01, 0.01, 1.0, 0.01, 1e-5, free_drafts=4.0))
+    w = b.free_weights(step)
+    assert w[1] == 1.0 and w[0] < w[1]
+    probs = np.array([[0.9, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]], np.float32)  # the short row's drafts are likelier
+    assert b.keep(step, Drafts(probs, np.array([4, 4]))).tolist() == [0, 4]
 
 
 # ---------------------------------------------------------------- at submission (the GRPO loop)

@@ -251,3 +251,32 @@ def test_raw_cutoffs_invert_the_calibration_row_by_row():
     assert raw_cutoffs(np.array([0.0, 1.0, np.inf]), 1.0, acc.curve()).tolist() == [0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="theta"):
         raw_cutoffs(-0.1, cal)
+
+
+@settings(max_examples=100, deadline=None)
+@given(SEEDS, st.floats(0.005, 0.05), st.floats(0.0, 0.01), st.floats(0.0, 0.01), st.booleans())
+def test_row_weights_for_free_drafts_change_nothing_at_a_linear_price(seed, plain, extra, per_draft, saving):
+    """Without a knee (``free_drafts`` 0) the free drafts' row weights leave every decision of
+    both rules (throughput, saving) exactly as without them."""
+    rng = np.random.default_rng(seed)
+    rows, k = int(rng.integers(1, 40)), int(rng.integers(1, 17))
+    probs = np.sort(rng.random((rows, k)), axis=1)[:, ::-1].astype(np.float32)
+    lengths = rng.integers(0, k + 1, rows)
+    values = rng.random(rows) * 0.02 if saving else None
+    weights = rng.random(rows)
+    args = (probs, plain, plain + extra, per_draft)
+    base = choose_drafts(*args, values=values, lengths=lengths)
+    assert choose_drafts(*args, values=values, lengths=lengths, free_weights=weights).tolist() == base.tolist()
+
+
+def test_free_drafts_go_to_the_heaviest_rows_first_and_the_price_decides_above_the_knee():
+    probs = np.array([[0.9, 0.9, 0.9, 0.9], [0.6, 0.6, 0.6, 0.6]])
+    lengths = np.array([4, 4])
+    weights = np.array([0.1, 1.0])  # row 1 is predicted to finish last
+    kept = choose_drafts(probs, 0.01, 0.01, 1.0, lengths=lengths, free_drafts=4, free_weights=weights)
+    assert kept.tolist() == [0, 4]  # the 4 free tokens to row 1 though row 0's are likelier; above: too dear
+    assert choose_drafts(probs, 0.01, 0.01, 1.0, lengths=lengths, free_drafts=4).tolist() == [4, 0]  # by probability alone
+    cheap = choose_drafts(probs, 0.01, 0.01, 1e-6, lengths=lengths, free_drafts=4, free_weights=weights)
+    assert cheap.tolist() == [4, 4]  # above the knee the price keeps the rest
+    with pytest.raises(ValueError, match="free_weights"):
+        choose_drafts(probs, 0.01, 0.01, 1.0, lengths=lengths, free_drafts=4, free_weights=np.array([1.0, -1.0]))
