@@ -280,7 +280,7 @@ class EngineParams:
     roof: Roofline
     max_seqs: int = 1024  # vLLM V1 default on >= 70 GiB GPUs
     watermark: float = 0.01
-    max_draft: int = 32  # K, the engine's most draft tokens per row and step (a priced budget's rows in the long tail)
+    max_draft: int = 16  # K, the engine's most draft tokens per row and step (das's default; above batch_draft: a priced budget's tail rows)
     batch_draft: int = 16  # most draft tokens per row and step before the long tail (scheduler.tail_drafts)
     replan_every: int = 16
     drafter_ms_per_256: float = 1.0  # drafter CPU time per step at 256 rows (linear in rows)

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--prompts", type=int, default=128)
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16384)
-    ap.add_argument("--max-draft", type=int, default=32, help="K: the engine's most draft tokens per row and step (a priced budget's rows in the long tail)")
+    ap.add_argument("--max-draft", type=int, default=16, help="K: the engine's most draft tokens per row and step (das's default; above --batch-draft a priced budget's rows may draft up to it in the long tail)")
     ap.add_argument("--batch-draft", type=int, default=16, help="most draft tokens per row and step before the long tail (scheduler.tail_drafts)")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
     ap.add_argument("--budgets", "--policies", dest="budgets", default=",".join(BUDGETS),

@@ -116,6 +116,13 @@ The DAS drafter and speculation-budget settings have one schema, `das.config.DAS
 Settings are checked at engine start, and by the CLIs and recipes before any engine loads: an
 unknown key or a bad value raises `ValueError` naming the key, the value and what was expected,
 e.g. `additional_config['das']['window'] must be an int >= 1, got 0`.
+
+The engine's K (vLLM's `num_speculative_tokens`, `das-rollout --num-spec-tokens`) is the most
+draft tokens a row may verify in one step: 16 by default for das
+(`integrations.vllm_ext.engine.DEFAULT_NUM_SPEC_TOKENS`). With a larger K, every row still drafts
+at most 16 per step while the batch is full, and in the long tail (a step running at most 1/8 of
+the recent peak rows) the `cost` and `makespan` budgets may give a row up to K where the step
+price says they pay (`scheduler.tail_drafts`).
 """
 
 #: ``SamplingParams(extra_args=...)`` keys the proposer reads: (key, type, what it does).

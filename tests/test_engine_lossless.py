@@ -130,8 +130,8 @@ def test_requests_with_logprobs_are_still_drafted(tiny_model):
     assert counters["draft_tokens"] > 0 and counters["accepted_tokens"] > 0
 
 
-def test_a_lone_tail_row_drafts_beyond_16_at_the_default_k_and_stays_lossless(tiny_model, tmp_path, monkeypatch):
-    """das's default K (32) with the default budget: 15 short requests and a long one; once the
+def test_a_lone_tail_row_drafts_beyond_16_at_k_32_and_stays_lossless(tiny_model, tmp_path, monkeypatch):
+    """das at K 32 with the default budget: 15 short requests and a long one; once the
     long one runs alone (the long tail), it gets more than 16 draft tokens in a step, and greedy
     outputs match no speculation."""
     from vllm import SamplingParams
@@ -144,7 +144,8 @@ def test_a_lone_tail_row_drafts_beyond_16_at_the_default_k_and_stays_lossless(ti
     expected = _generate(base, prompts, params, 0)
     del base
     release_engine_state()
-    llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, das_config={"c_base": 0.01, "c_tok": 1e-5})
+    llm = make_llm(tiny_model, "das", dtype="float32", max_model_len=256, num_speculative_tokens=32,
+                   das_config={"c_base": 0.01, "c_tok": 1e-5})
     got = []
     for version in (1, 2):
         control.begin_iteration(llm, version)

@@ -14,9 +14,10 @@ from integrations.vllm_ext import cpu_runtime
 METHODS = ("none", "das", "ngram", "suffix", "suffix-bs")
 PROPOSER_CLASS = "integrations.vllm_ext.proposer.DASProposer"
 # Default K (most draft tokens per row and step). ngram: vLLM's usual prompt-lookup setting;
-# suffix: arctic-inference's own default; das: 16 per row before the long tail, as suffix, so acceptance
-# compares, and up to 32 in the tail where the priced budget finds that they pay (scheduler.tail_drafts).
-DEFAULT_NUM_SPEC_TOKENS = {"das": 32, "ngram": 4, "suffix": 16, "suffix-bs": 16}
+# suffix: arctic-inference's own default; das: 16, as suffix, so acceptance compares. A larger K lets
+# the priced budgets draft up to K per row in the long tail (scheduler.tail_drafts); at 32 it made
+# the DSR-sub long tail slower on a CPU (docs/benchmarks.md, "The long tail").
+DEFAULT_NUM_SPEC_TOKENS = {"das": 16, "ngram": 4, "suffix": 16, "suffix-bs": 16}
 # ``suffix-bs``: vLLM suffix decoding with vLLM's own batch-size schedule
 # (``num_speculative_tokens_per_batch_size``, inclusive ranges of running requests -> K): the best a
 # user could configure without us. Full drafts in the tail, fewer in mid-size batches, none at full batch.
