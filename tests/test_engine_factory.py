@@ -7,7 +7,7 @@ from integrations.vllm_ext.engine import PROPOSER_CLASS, make_llm, speculative_c
 
 def test_each_method():
     assert speculative_config("none") is None
-    assert speculative_config("das") == {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": 32}
+    assert speculative_config("das") == {"method": "custom_class", "model": PROPOSER_CLASS, "num_speculative_tokens": 16}
     assert speculative_config("ngram", 3)["num_speculative_tokens"] == 3
     assert speculative_config("suffix")["method"] == "suffix"
 
