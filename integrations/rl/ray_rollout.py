@@ -1,7 +1,7 @@
 """Data-parallel rollouts on Ray: N workers, each a vLLM engine with the DAS proposer.
 
 The driver assigns whole GRPO groups (all samples of one prompt) to workers, so siblings share
-their worker's problem tree, balancing predicted work with :func:`scheduler.interleave.assign_groups`
+their worker's problem tree, balancing predicted work with :func:`scheduler.placement.assign_groups`
 (longest-predicted-first by default; the predictor is :class:`scheduler.predictor.LengthPredictor`,
 fed with every finished iteration). Each worker's drafter window advances at the start of every
 iteration. If a worker dies mid-iteration, or has not returned its groups within
@@ -112,7 +112,7 @@ class RayRolloutDriver:
         model: local model directory (every worker loads it).
         method: speculative method of every worker.
         num_workers: N >= 1.
-        interleave: how GRPO groups are assigned to workers, one of ``scheduler.interleave.ASSIGNMENTS`` (``lpt`` default).
+        interleave: how GRPO groups are assigned to workers, one of ``scheduler.placement.ASSIGNMENTS`` (``lpt`` default).
         max_tokens: rollout max output length (tokens); also the length predictor's range.
         temperature: sampling temperature.
         engine_kwargs: passed to :func:`integrations.vllm_ext.engine.make_llm` in each worker.
@@ -152,7 +152,7 @@ class RayRolloutDriver:
     ):
         import ray
 
-        from scheduler.interleave import ASSIGNMENTS
+        from scheduler.placement import ASSIGNMENTS
         from scheduler.predictor import LengthPredictor
 
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
@@ -272,7 +272,7 @@ class RayRolloutDriver:
         import ray
         from ray.exceptions import RayActorError, RayTaskError
 
-        from scheduler.interleave import assign_groups
+        from scheduler.placement import assign_groups
 
         if len({g.group_id for g in groups}) != len(groups):
             raise ValueError("group ids must be unique within an iteration")

@@ -1,4 +1,4 @@
-"""Assign the GRPO groups of a rollout iteration to data-parallel rollout workers.
+"""Placement: assign the GRPO groups of a rollout iteration to data-parallel rollout workers.
 
 Siblings of one problem (a GRPO group) stay on one worker: they share a problem tree in the
 drafter and see each other's tokens. The unit of assignment is therefore the group; its predicted
