@@ -53,7 +53,7 @@ def chi_square(a: np.ndarray, b: np.ndarray, lo: int, hi: int) -> tuple[float, i
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="../shared/data/leetcode_train.json", help="problems (as das-rollout --data)")
+    p.add_argument("--data", default="leetcode", help="problems (as das-rollout --data; $DAS_DATA_DIR as there)")
     p.add_argument("--problem", type=int, default=788, help="index of the problem whose prompt is sampled")
     p.add_argument("--samples", type=int, default=256, help="rollouts per method")
     p.add_argument("--tokens", type=int, default=160, help="output tokens per rollout (EOS ignored)")
@@ -75,11 +75,12 @@ def main(argv=None) -> int:
 
     from integrations.data.models import resolve_model
     from integrations.data.problems import load_problems, render_prompts
+    from integrations.data.registry import data_dir_from_env
     from integrations.vllm_ext import control
     from integrations.vllm_ext.engine import make_llm, spec_counters
 
     model = resolve_model(None)
-    problems = load_problems(args.data)
+    problems = load_problems(args.data, data_dir=data_dir_from_env())
     if not 0 <= args.problem < len(problems):
         p.error(f"--problem must be in [0, {len(problems)}), got {args.problem}")
     prompt = render_prompts([problems[args.problem]], AutoTokenizer.from_pretrained(model))[0]

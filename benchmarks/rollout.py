@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from integrations.data.registry import DATASETS, data_dir_from_env, resolve
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import METHODS
 
@@ -46,12 +47,14 @@ from integrations.vllm_ext.engine import METHODS
 #: DAS with each request capped by its problem's length class (the recipe's ``scheduler.budget: class``).
 REPLAYED = METHODS + ("das-sched",)
 DEFAULT_REPLAYED = ("none", "ngram", "suffix", "das", "das-sched")
-DATA = {"dsr_sub": "grpo_dsr_sub", "leetcode": "grpo_leetcode"}
+#: the data sets with a GRPO recipe (:data:`integrations.data.registry.DATASETS`, ``recipe``): name -> recipe
+DATA = {d.name: d.recipe for d in DATASETS if d.recipe}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks.rollout", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="dsr_sub,leetcode", help="comma-separated: dsr_sub, leetcode (each uses recipes/grpo_<data>.yaml)")
+    p.add_argument("--data", default=",".join(DATA), help=f"comma-separated, from {list(DATA)} (each uses its recipe, recipes/<recipe>.yaml; "
+                                                         "$DAS_DATA_DIR as for das-rollout)")
     p.add_argument("--methods", default=",".join(DEFAULT_REPLAYED), help=f"comma-separated, from {list(REPLAYED)}")
     p.add_argument("--train-method", default="das", choices=METHODS, help="the method the GRPO loop trains with")
     p.add_argument("--iterations", type=int, default=3, help="GRPO steps (policy versions) per data set")
@@ -79,15 +82,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.pool < args.prompts:
         p.error("--pool must be >= --prompts")
+    args.data_dir = data_dir_from_env()  # $DAS_DATA_DIR, read here at the entry point
+    for d in args.data:
+        try:
+            resolve(d, args.data_dir)
+        except (OSError, ValueError) as exc:
+            p.error(f"--data {d}: {exc}")
     return args
 
 
-def _overrides(args: argparse.Namespace, method: str) -> list[str]:
+def _overrides(args: argparse.Namespace, method: str, data: str | None = None) -> list[str]:
     ov = [f"steps={args.iterations}", f"seed={args.seed}", f"pool={args.pool}", f"rollout.prompts_per_step={args.prompts}",
           f"rollout.samples={args.samples}", f"rollout.max_tokens={args.max_tokens}", f"rollout.temperature={args.temperature}",
           f"speculative.method={method}", "log.json=null"]
     if args.lr is not None:
         ov.append(f"train.lr={args.lr}")
+    src = resolve(data, getattr(args, "data_dir", None)) if data else None
+    if src is not None and src.path is not None and getattr(args, "data_dir", None) is not None and src.path.parent == args.data_dir:
+        ov.append(f"data={src.path}")  # the local copy in $DAS_DATA_DIR
     return ov + list(args.overrides)
 
 
@@ -120,7 +132,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     from integrations.vllm_ext.rollouts import generate_rollouts
     from integrations.vllm_ext.weight_sync import sync_weights
 
-    base = load_recipe(DATA[data], _overrides(args, args.train_method))
+    base = load_recipe(DATA[data], _overrides(args, args.train_method, data))
     weights: dict[int, dict[str, Any]] = {}
 
     def keep(version: int, model: Any) -> None:

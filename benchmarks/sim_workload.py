@@ -351,10 +351,12 @@ class AcceptanceModel:
 
 
 def prompt_lengths(n: int, rng: np.random.Generator, data: str | Path | None = None) -> np.ndarray:
-    """Prompt tokens of ``n`` problems drawn from DSR-sub (``../shared/data/dsr_sub.parquet``):
-    characters / 3.5 + 16 template tokens (the Qwen tokenizer is not available here); 110 tokens
-    each when the file is missing."""
-    path = Path(data) if data else Path(__file__).resolve().parents[2] / "shared" / "data" / "dsr_sub.parquet"
+    """Prompt tokens of ``n`` problems drawn from DSR-sub (``data``, default the copy shipped with the package,
+    :mod:`integrations.data.registry`): characters / 3.5 + 16 template tokens (the Qwen tokenizer is not
+    available here); 110 tokens each when the file is missing."""
+    from integrations.data.registry import get, package_file
+
+    path = Path(data) if data else package_file(get("dsr_sub"))
     try:
         import pyarrow.parquet as pq
 

@@ -36,6 +36,8 @@ import numpy as np
 
 from das.config import DEFAULTS, DASConfig, das_config
 from integrations.data.problems import problem_set_name, problem_source
+from integrations.data.registry import data_dir_from_env
+from integrations.data.registry import names as data_names
 from integrations.results import save_figure
 from integrations.vllm_ext import cpu_runtime
 from integrations.vllm_ext.engine import METHODS, drop_unavailable
@@ -77,7 +79,10 @@ class IterationResult:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="das-rollout", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=None, help="problems: a verl .parquet, a LeetCode .json, 'champ' (default, embedded math) or 'humaneval'")
+    p.add_argument("--data", default=None,
+                   help=f"problems: a data set's name ({', '.join(data_names())}; default champ, embedded math; "
+                        "`python -m integrations.data list`) or a file (.parquet verl, .json rLLM LeetCode, .jsonl LeetCodeDataset); "
+                        "$DAS_DATA_DIR: a directory of local copies that win")
     p.add_argument("--model", default=None, help="local HF model dir (default: SmolLM2-135M-Instruct, converted once into the cache)")
     p.add_argument("--iterations", type=int, default=3, help="rollout iterations (policy versions)")
     p.add_argument("--prompts", type=int, default=3, help="prompts per iteration (P; the default keeps the main job within ~10 min on a 2-core AVX2 CPU)")
@@ -123,8 +128,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
+    args.data_dir = data_dir_from_env()  # $DAS_DATA_DIR, read here at the entry point and passed on
     try:  # where the problems come from, checked without reading them
-        problem_source(args.data)
+        problem_source(args.data, args.data_dir)
     except (OSError, ValueError) as exc:
         p.error(f"--data {args.data!r}: {exc}")
     methods = [args.method] + [m.strip() for m in args.compare.split(",") if m.strip() and m.strip() != args.method]
@@ -420,7 +426,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.methods = drop_unavailable(args.methods, "das-rollout")
     try:
-        problems = load_problems(args.data)
+        problems = load_problems(args.data, data_dir=args.data_dir)
         capped = fit_to_problems(args, len(problems))
         if capped:
             print(capped, file=sys.stderr)

@@ -1,5 +1,7 @@
-"""Tests for integrations.data.problems: loaders on the shared files and the embedded sets, dispatch, errors,
-chat-template rendering. Real data, no mocks; the shared-file tests skip when ../shared/data is absent."""
+"""Tests for integrations.data.problems: loaders on the shipped files (DSR-sub, MATH-500), the embedded sets and
+the rLLM LeetCode file, dispatch, errors, chat-template rendering. Real data, no mocks; the LeetCode file's tests
+skip when ../shared/data is absent (the data registry's own tests, including the hub download, are in
+tests/test_data_registry.py)."""
 
 from __future__ import annotations
 
@@ -19,14 +21,14 @@ from integrations.data.problems import (
     load_problems,
     load_verl_parquet,
     render_prompts,
-    shared_data_dir,
 )
 
 REPO = Path(__file__).resolve().parents[1]
+SHIPPED = REPO / "integrations" / "data" / "files"  # the data shipped with the package
 DATA = REPO.parent / "shared" / "data"
 needs_data = pytest.mark.skipif(
-    not (DATA / "dsr_sub.parquet").is_file(),
-    reason=f"shared data directory {DATA} (../shared/data from the repo root) is missing",
+    not (DATA / "leetcode_train.json").is_file(),
+    reason=f"shared data directory {DATA} (../shared/data from the repo root, holding leetcode_train.json) is missing",
 )
 
 
@@ -45,15 +47,8 @@ def tiny_tokenizer(tiny_model):
 # ---------------------------------------------------------------- shared files
 
 
-@needs_data
-def test_shared_data_dir_default_points_at_shared_data(monkeypatch):
-    monkeypatch.delenv("DAS_DATA_DIR", raising=False)
-    assert shared_data_dir().resolve() == DATA.resolve()
-
-
-@needs_data
 def test_dsr_sub_loads_with_answers_and_instruction():
-    probs = load_verl_parquet(DATA / "dsr_sub.parquet")
+    probs = load_verl_parquet(SHIPPED / "dsr_sub.parquet")
     assert len(probs) == 1209
     assert len({p.problem_id for p in probs}) == 1209
     p0 = probs[0]
@@ -69,22 +64,20 @@ def test_dsr_sub_loads_with_answers_and_instruction():
     assert all(p.prompt_text.count("\\boxed") == 1 for p in probs)
 
 
-@needs_data
 def test_limit_keeps_the_first_rows():
-    full = load_verl_parquet(DATA / "dsr_sub.parquet")
-    assert load_verl_parquet(DATA / "dsr_sub.parquet", limit=5) == full[:5]
-    assert load_verl_parquet(DATA / "dsr_sub.parquet", limit=0) == []
+    full = load_verl_parquet(SHIPPED / "dsr_sub.parquet")
+    assert load_verl_parquet(SHIPPED / "dsr_sub.parquet", limit=5) == full[:5]
+    assert load_verl_parquet(SHIPPED / "dsr_sub.parquet", limit=0) == []
     with pytest.raises(ValueError, match="limit"):
-        load_verl_parquet(DATA / "dsr_sub.parquet", limit=-1)
+        load_verl_parquet(SHIPPED / "dsr_sub.parquet", limit=-1)
 
 
-@needs_data
 def test_math500_gets_the_boxed_instruction():
-    probs = load_verl_parquet(DATA / "math500.parquet")
+    probs = load_verl_parquet(SHIPPED / "math500.parquet")
     assert len(probs) == 500
     assert probs[0].source == "simplerl/math500"
     assert all(p.prompt_text.endswith(" " + MATH_INSTRUCTION) for p in probs)
-    raw = load_verl_parquet(DATA / "math500.parquet", limit=3, ensure_boxed_instruction=False)
+    raw = load_verl_parquet(SHIPPED / "math500.parquet", limit=3, ensure_boxed_instruction=False)
     assert all("\\boxed" not in p.prompt_text for p in raw)
     assert probs[0].answer == raw[0].answer == "\\left( 3, \\frac{\\pi}{2} \\right)"
 
@@ -202,13 +195,17 @@ def test_load_problems_embedded_specs():
     assert load_problems("humaneval", limit=1)[0].problem_id == "HumanEval/0"
 
 
+def test_load_problems_paths_and_short_names():
+    assert load_problems(str(SHIPPED / "dsr_sub.parquet"), limit=2) == load_problems("dsr_sub", limit=2) == load_problems("DSR", limit=2)
+    assert load_problems(SHIPPED / "math500.parquet", limit=1)[0].source == "simplerl/math500"
+    assert load_problems("math500", limit=1) == load_problems(SHIPPED / "math500.parquet", limit=1)
+
+
 @needs_data
-def test_load_problems_paths_and_short_names(monkeypatch):
-    monkeypatch.setenv("DAS_DATA_DIR", str(DATA))
-    assert load_problems(str(DATA / "dsr_sub.parquet"), limit=2) == load_problems("dsr_sub", limit=2)
-    assert load_problems(DATA / "math500.parquet", limit=1)[0].source == "simplerl/math500"
+def test_a_data_dir_copy_wins_over_the_shipped_and_cached_ones():
     assert load_problems(str(DATA / "leetcode_train.json"), limit=1)[0].kind == "code"
-    assert load_problems("leetcode", limit=1)[0].problem_id == "leetcode/0"
+    assert load_problems("leetcode", limit=1, data_dir=DATA)[0].problem_id == "leetcode/0"
+    assert load_problems("dsr_sub", limit=3, data_dir=DATA) == load_problems("dsr_sub", limit=3)
 
 
 def test_missing_paths_raise_file_not_found_naming_the_path(tmp_path, monkeypatch):
@@ -220,9 +217,9 @@ def test_missing_paths_raise_file_not_found_naming_the_path(tmp_path, monkeypatc
         load_verl_parquet(tmp_path / "nope.parquet")
     with pytest.raises(FileNotFoundError, match="nope.json"):
         load_leetcode_json(tmp_path / "nope.json")
-    monkeypatch.setenv("DAS_DATA_DIR", str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="DAS_DATA_DIR"):
-        load_problems("math500")
+    monkeypatch.setattr("integrations.data.registry.hub_file", lambda d: None)  # whatever this machine's hub cache holds
+    with pytest.raises(FileNotFoundError, match="python -m integrations.data download leetcode"):
+        load_problems("leetcode", data_dir=tmp_path)
 
 
 def test_unknown_spec_raises_value_error_naming_it(tmp_path):
@@ -375,15 +372,12 @@ def test_bad_leetcode_rows_raise_one_line_naming_file_row_and_key(tmp_path, row,
 # ---- the benchmarks' cached trace
 
 
-def test_the_default_trace_is_dsr_sub_where_its_file_is_present_else_champ(tmp_path, monkeypatch):
+def test_the_default_trace_is_the_shipped_dsr_sub(tmp_path, monkeypatch):
     from integrations.data import trace
 
     monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.setenv("DAS_DATA_DIR", str(tmp_path))
-    assert trace.default_trace_data() == "champ"
-    assert trace.default_trace_path() == tmp_path / "cache" / "traces" / "champ_i5_p16_n8_t384.parquet"
-    (tmp_path / "dsr_sub.parquet").write_bytes(b"")
     assert trace.default_trace_data() == "dsr_sub"
+    assert trace.default_trace_path() == tmp_path / "cache" / "traces" / "dsr_sub_i5_p16_n8_t384.parquet"
     assert trace.default_trace_path(max_tokens=256).name == "dsr_sub_i5_p16_n8_t256.parquet"
 
 
@@ -413,7 +407,7 @@ def test_cached_trace_names_a_missing_file(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("spec, name", [(None, "champ"), ("math", "champ"), ("HumanEval", "humaneval"), ("dsr", "dsr_sub"),
-                                        ("leetcode", "leetcode_train"), ("../shared/data/dsr_sub.parquet", "dsr_sub"),
+                                        ("leetcode", "leetcode"), ("../shared/data/dsr_sub.parquet", "dsr_sub"),
                                         ("/x/y/leetcode_train.json", "leetcode_train")])
 def test_problem_set_name_is_short(spec, name):
     from integrations.data.problems import problem_set_name

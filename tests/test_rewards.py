@@ -64,12 +64,9 @@ def test_math_on_dsr_sub_ground_truth(shared_dsr):
 
 @pytest.fixture(scope="module")
 def shared_dsr():
-    from integrations.data.problems import load_verl_parquet, shared_data_dir
+    from integrations.data.problems import load_problems
 
-    f = shared_data_dir() / "dsr_sub.parquet"
-    if not f.is_file():
-        pytest.skip("shared DSR-sub parquet not present")
-    return load_verl_parquet(f, limit=20)
+    return load_problems("dsr_sub", limit=20)  # shipped with the package
 
 
 # ---- code

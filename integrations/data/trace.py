@@ -208,11 +208,8 @@ def trace_cache_dir() -> Path:
 
 
 def default_trace_data() -> str:
-    """The problem set of the default trace: ``"dsr_sub"`` where its file is present
-    (:func:`integrations.data.problems.shared_data_dir`), else the embedded ``"champ"``."""
-    from integrations.data.problems import SHARED_FILES, shared_data_dir
-
-    return "dsr_sub" if (shared_data_dir() / SHARED_FILES["dsr_sub"]).is_file() else "champ"
+    """The problem set of the default trace: ``"dsr_sub"`` (shipped with the package, :mod:`integrations.data.registry`)."""
+    return "dsr_sub"
 
 
 def default_trace_path(data: str | None = None, **record: int) -> Path:

@@ -361,7 +361,7 @@ def check_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> Recipe
     """
     import yaml
 
-    from integrations.data.problems import problem_source
+    from integrations.data.registry import data_dir_from_env, resolve
     from integrations.results import check_output_path
 
     overrides = list(args.overrides) + (["log.overwrite=true"] if args.overwrite and not args.compare else [])
@@ -371,10 +371,13 @@ def check_recipe(p: argparse.ArgumentParser, args: argparse.Namespace) -> Recipe
         rec = load_recipe(args.recipe, overrides)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         p.error(f"--recipe {args.recipe}: {exc}")
+    data_dir = data_dir_from_env()  # $DAS_DATA_DIR, read at the entry point: a local copy of a named set wins
     try:
-        problem_source(rec.data)
+        src = resolve(rec.data, data_dir)
     except (OSError, ValueError) as exc:
         p.error(f"data {rec.data!r}: {exc}")
+    if data_dir is not None and src.path is not None and src.path.parent == data_dir:
+        rec.data = str(src.path)
     for key in ("json", "trace"):
         path = getattr(rec.log, key)
         if path:

@@ -28,9 +28,10 @@ def main() -> None:
     args = ap.parse_args()
 
     from integrations.data.problems import load_problems
+    from integrations.data.registry import data_dir_from_env
     from integrations.rl.rewards import math_reward
 
-    problems = load_problems(args.data, limit=64)  # embedded CHAMP math by default; or a verl parquet file
+    problems = load_problems(args.data, limit=64, data_dir=data_dir_from_env())  # embedded CHAMP math by default; or a verl parquet file
     data = Dataset.from_list([{"prompt": p.messages, "problem_id": p.problem_id, "answer": p.answer} for p in problems])
 
     def correct(completions, answer, **kwargs):
