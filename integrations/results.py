@@ -6,18 +6,30 @@
 * :func:`write_atomic` / :func:`atomic_output` — write into a temporary file in the target's
   directory and ``os.replace`` it over the target only once it is complete: a failed write leaves
   the old file as it was (and no temporary file behind).
+* :func:`provenance` — what every result JSON records about its run: the code version (git commit
+  and whether the checkout had uncommitted changes), the date, the CPU model and the command line.
+* :func:`rollout_digest` / :func:`identical_rollouts` — whether several methods generated the same
+  rollouts, token for token (a comparison of methods is like with like only where they did).
 """
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import hashlib
 import os
+import shlex
+import subprocess
+import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["check_output_path", "write_atomic", "atomic_output"]
+__all__ = ["check_output_path", "write_atomic", "atomic_output", "save_figure", "code_version", "cpu_model", "provenance",
+           "rollout_digest", "identical_rollouts"]
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _nearest_existing(p: Path) -> Path:
@@ -107,3 +119,101 @@ def save_figure(fig: Any, path: str | os.PathLike, dpi: int = 110) -> Path:
     finally:
         plt.close(fig)
     return p
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def code_version() -> dict[str, Any]:
+    """The checkout's code version: ``{"commit": full sha or None, "dirty": bool or None}``.
+
+    ``dirty`` is True when tracked files differ from the commit (``git status --porcelain
+    --untracked-files=no`` is not empty): the result then ran on code no commit holds. Both are
+    None outside a git checkout (an installed wheel).
+    """
+    commit = _git("rev-parse", "HEAD")
+    if commit is None:
+        return {"commit": None, "dirty": None}
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {"commit": commit, "dirty": None if status is None else bool(status)}
+
+
+def cpu_model() -> str:
+    """The CPU's model name as ``lscpu`` prints it (``Model name:``), else ``/proc/cpuinfo``'s; ``""`` when neither says."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, env={**os.environ, "LC_ALL": "C"})
+        for line in out.stdout.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name" and value.strip():
+                return value.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+def provenance(prog: str, argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """What a result JSON records about the run that made it.
+
+    Args:
+        prog: the command as a user types it, e.g. ``"das-rollout"`` or ``"python -m benchmarks.rollout"``.
+        argv: its arguments (default ``sys.argv[1:]``).
+
+    Returns:
+        ``{"code_version": {"commit", "dirty"}, "date": ISO 8601 UTC (seconds), "cpu": lscpu's model
+        name, "command": the shell-quoted command line}``.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    return {"code_version": code_version(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "cpu": cpu_model(), "command": " ".join([prog, *(shlex.quote(a) for a in args)])}
+
+
+def rollout_digest(token_ids: Sequence[int]) -> str:
+    """A 16-hex-digit digest of a rollout's output token ids: equal rollouts, equal digests (BLAKE2b of the ids as int64)."""
+    import numpy as np
+
+    return hashlib.blake2b(np.asarray(token_ids, dtype=np.int64).tobytes(), digest_size=8).hexdigest()
+
+
+def identical_rollouts(digests: Mapping[str, Sequence[Sequence[str]]]) -> dict[str, Any]:
+    """How many rollouts every method generated token for token alike.
+
+    Args:
+        digests: ``{method: [[digest per rollout] per iteration]}`` (:func:`rollout_digest`), the
+            rollouts of an iteration in the same (group, sample) order in every method; the first
+            method is the one the others are compared with.
+
+    Returns:
+        ``{"identical": rollouts identical in every method, "rollouts": rollouts per method,
+        "per_iteration": [identical in every method, per iteration], "vs_first": {method: rollouts
+        identical to the first method's}}``.
+
+    Raises:
+        ValueError: the methods ran different numbers of iterations or of rollouts in an iteration.
+    """
+    methods = list(digests)
+    if not methods:
+        return {"identical": 0, "rollouts": 0, "per_iteration": [], "vs_first": {}}
+    base = digests[methods[0]]
+    if len({len(digests[m]) for m in methods}) != 1:
+        raise ValueError(f"methods ran different numbers of iterations: { {m: len(digests[m]) for m in methods} }")
+    per_iteration, vs_first = [], {m: 0 for m in methods[1:]}
+    for it, ref in enumerate(base):
+        rows = [digests[m][it] for m in methods]
+        if len({len(r) for r in rows}) != 1:
+            raise ValueError(f"iteration {it}: methods generated different numbers of rollouts: {[len(r) for r in rows]}")
+        per_iteration.append(sum(all(r[i] == ref[i] for r in rows[1:]) for i in range(len(ref))))
+        for m, r in zip(methods[1:], rows[1:]):
+            vs_first[m] += sum(a == b for a, b in zip(r, ref))
+    return {"identical": sum(per_iteration), "rollouts": sum(len(r) for r in base), "per_iteration": per_iteration, "vs_first": vs_first}

@@ -7,6 +7,12 @@ every compared method (``none``, ``ngram``, ``suffix``), one engine at a time, w
 prompts and seeds. The policy is fixed here (no training step); :mod:`integrations.rl.grpo` is the
 loop whose policy changes.
 
+Sampling is coupled by default (``--independent-sampling`` turns it off): every rollout's token at
+index i is fixed by its sample key (the iteration's seed and its place in the batch) and the
+policy's distribution there, whatever the drafts, so the methods generate the same rollouts
+wherever their logits agree (float32 on the CPU) and the ratios compare like with like; the report
+says how many rollouts were identical in every method.
+
 Timing is side by side: every method's engine is built first and kept, and the iterations
 alternate between them (A B C, then C B A, ...), so drift in machine speed falls on every method
 alike. Each engine runs one warm-up request when it is built and, once every engine is built, one
@@ -75,6 +81,7 @@ class IterationResult:
     tail_accepted_tokens: int = 0  # draft tokens accepted then
     timeline: dict[str, list[float]] | None = None  # {"t_s": [...], "running": [...]}, at most ~200 points
     proposer: dict[str, Any] | None = None  # DAS proposer counters for this iteration
+    rollout_digests: list[str] | None = None  # integrations.results.rollout_digest of each rollout, in (group, sample) order
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -105,14 +112,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="problem choice and sampling seed")
     p.add_argument("--sample-seed", type=int, default=0,
                    help="other random draws on the same problems: iteration v samples with seed * 100003 + v + 7919 * sample_seed")
-    p.add_argument("--coupled-sampling", action="store_true",
-                   help="key each rollout's sampling by (seed, rollout, token index): every method samples the same tokens "
-                        "wherever its logits match bit for bit, and a rerun repeats them (lossless; "
-                        "integrations.vllm_ext.patches.coupled_sampling)")
+    add_sampling_args(p)
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.data.trace)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --trace files (default: refuse before the run)")
     args = p.parse_args(argv)
+    check_sampling_args(args)
     from integrations.results import check_output_path
 
     if args.trace and not args.trace.lower().endswith(".parquet"):
@@ -158,6 +163,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.pool < args.prompts:
         p.error(f"--pool ({args.pool}) must be >= --prompts ({args.prompts})")
     return args
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    """``--independent-sampling`` (coupled sampling is the default) and ``--coupled-sampling``, kept as a no-op."""
+    p.add_argument("--independent-sampling", action="store_true",
+                   help="let each method draw its own random numbers, so methods sample other rollouts (default: coupled sampling: "
+                        "each rollout's token at index i is fixed by (seed, rollout, i) whatever the drafts, so every method "
+                        "generates the same rollouts wherever its logits match bit for bit; lossless; "
+                        "integrations.vllm_ext.patches.coupled_sampling)")
+    p.add_argument("--coupled-sampling", action="store_true", help="the default; accepted for older command lines")
+
+
+def check_sampling_args(args: argparse.Namespace) -> None:
+    """Set ``args.coupled_sampling``: on unless ``--independent-sampling``."""
+    args.coupled_sampling = not args.independent_sampling
+
+
+def request_coupled_sampling(args: argparse.Namespace) -> None:
+    """With coupled sampling, name the feature in ``DAS_VLLM_FEATURES`` before any engine starts, so that
+    workers in other processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) install it at their start too."""
+    if not args.coupled_sampling:
+        return
+    from integrations.vllm_ext.patches import FEATURES_ENV
+
+    features = [f.strip() for f in os.environ.get(FEATURES_ENV, "").split(",") if f.strip()]
+    if "coupled_sampling" not in features:
+        os.environ[FEATURES_ENV] = ",".join([*features, "coupled_sampling"])
 
 
 def fit_to_problems(args: argparse.Namespace, num_problems: int) -> str | None:
@@ -279,6 +311,8 @@ class MethodRun:
         batch = generate_rollouts(llm, [prompts[i] for i in chosen], [problem_ids[i] for i in chosen], samples=args.samples,
                                   max_tokens=args.max_tokens, temperature=args.temperature, seed=sampling_seed(args, version),
                                   das=self.method == "das", coupled=getattr(args, "coupled_sampling", False))
+        from integrations.results import rollout_digest
+
         lengths = np.array([len(r.output_ids) for r in batch.rollouts])
         if rollouts is not None:
             from integrations.data.trace import Rollout
@@ -300,7 +334,7 @@ class MethodRun:
             tail_acceptance_length=round(batch.tail_acceptance_length, 4), tail_row_steps=batch.tail_row_steps,
             tail_draft_tokens=batch.tail_draft_tokens, tail_accepted_tokens=batch.tail_accepted_tokens,
             timeline={"t_s": [round(float(batch.step_s[i]), 3) for i in keep], "running": [int(batch.running[i]) for i in keep]},
-            proposer=batch.proposer,
+            proposer=batch.proposer, rollout_digests=[rollout_digest(r.output_ids) for r in batch.rollouts],
         )
 
     def close(self) -> None:
@@ -393,9 +427,42 @@ def format_table(report: dict[str, Any]) -> str:
         s = m["summary"]
         summary.append([name, s["wall_time_s"], s["tokens"], s["tokens_per_s"], s.get("tail_s", 0.0), s["acceptance_length"],
                         s.get("tail_acceptance_length", 1.0), _ratio(s.get("speedup_vs_none")), _ratio(s.get("tokens_per_s_vs_none")),
-                        _ratio(s.get("tokens_per_s_vs_suffix"))])
-    shead = ["method", "wall_s", "tokens", "tok/s", "tail_s", "acc_len", "tail_acc", "wall_vs_none", "tok/s_vs_none", "tok/s_vs_suffix"]
-    return tabulate(rows, head, floatfmt=".2f") + "\n\n" + tabulate(summary, shead, floatfmt=".2f")
+                        _ratio(s.get("speedup_vs_suffix")), _ratio(s.get("tokens_per_s_vs_suffix"))])
+    shead = ["method", "wall_s", "tokens", "tok/s", "tail_s", "acc_len", "tail_acc", "wall_vs_none", "tok/s_vs_none", "wall_vs_suffix",
+             "tok/s_vs_suffix"]
+    text = tabulate(rows, head, floatfmt=".2f") + "\n\n" + tabulate(summary, shead, floatfmt=".2f")
+    line = identical_line(report)
+    return text + ("\n\n" + line if line else "")
+
+
+def identical_line(report: dict[str, Any]) -> str:
+    """One line: how many rollouts every method generated alike, and how sampling was done ("" for one method)."""
+    same = report.get("identical_rollouts")
+    if not same or len(report["methods"]) < 2:
+        return ""
+    mode = "coupled sampling" if report.get("coupled_sampling") else "independent sampling (--independent-sampling)"
+    per = ", ".join(f"{m} {k}" for m, k in same["vs_first"].items())
+    return (f"identical rollouts in every method: {same['identical']} of {same['rollouts']} ({mode}; "
+            f"the same as {next(iter(report['methods']))}'s: {per}); wall_vs_* is the ratio of wall-clock seconds, tok/s_vs_* of tokens per second")
+
+
+def compare_methods(report: dict[str, Any]) -> None:
+    """Add to ``report`` (``methods.<m>.summary`` filled) what compares the methods: per method the ratios of
+    wall-clock seconds (``speedup_vs_none``, ``speedup_vs_suffix``: the other's seconds over this one's) and of
+    tokens per second (``tokens_per_s_vs_none``, ``tokens_per_s_vs_suffix``), None where that method did not run;
+    and ``identical_rollouts`` (:func:`integrations.results.identical_rollouts`, the method under test first)."""
+    from integrations.results import identical_rollouts
+
+    methods = report["methods"]
+    for ref in ("none", "suffix"):
+        base = methods.get(ref)
+        for m in methods.values():
+            s = m["summary"]
+            s[f"speedup_vs_{ref}"] = round(base["summary"]["wall_time_s"] / s["wall_time_s"], 3) if base and s["wall_time_s"] else None
+            s[f"tokens_per_s_vs_{ref}"] = (round(s["tokens_per_s"] / base["summary"]["tokens_per_s"], 3)
+                                           if base and base["summary"]["tokens_per_s"] else None)
+    digests = {name: [r.get("rollout_digests") or [] for r in m["iterations"]] for name, m in methods.items()}
+    report["identical_rollouts"] = identical_rollouts(digests)
 
 
 def _ratio(x: float | None) -> str:
@@ -418,6 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         cpu_runtime.reexec_with_iomp()
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable; set it to see vLLM's logs
+    request_coupled_sampling(args)
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
@@ -449,8 +517,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = chosen.as_dict() if chosen is not None else {"device": "cuda"}
     if chosen is not None:
         print(chosen.header())
-    report: dict[str, Any] = {"config": {k: v for k, v in vars(args).items()}, "model": model, "cpu_settings": settings,
-                              "cpu": cpu_runtime.read_cpu_info().model_name, "methods": {}}
+    from integrations.results import provenance
+
+    report: dict[str, Any] = {**provenance("das-rollout", argv), "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                              "model": model, "cpu_settings": settings, "coupled_sampling": args.coupled_sampling, "methods": {}}
     record: list | None = [] if args.trace else None
     with tqdm(total=len(args.methods) * args.iterations, desc="rollout iterations", unit="it", file=sys.stderr) as bar:
         results = run_side_by_side(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar,
@@ -462,13 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         its = [dataclasses.asdict(r) for r in results[method]]
         report["methods"][method] = {"iterations": its, "summary": summarize(its)}
-    base = report["methods"].get("none")
-    suffix = report["methods"].get("suffix")
-    for m in report["methods"].values():
-        s = m["summary"]
-        s["speedup_vs_none"] = round(base["summary"]["wall_time_s"] / s["wall_time_s"], 3) if base else None
-        s["tokens_per_s_vs_none"] = round(s["tokens_per_s"] / base["summary"]["tokens_per_s"], 3) if base else None
-        s["tokens_per_s_vs_suffix"] = round(s["tokens_per_s"] / suffix["summary"]["tokens_per_s"], 3) if suffix else None
+    compare_methods(report)
     report["title"] = f"{problem_set_name(args.data)}: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} tokens max"
     print(format_table(report))
     if args.json:

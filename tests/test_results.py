@@ -126,3 +126,28 @@ def test_trace_writer_appends_steps_and_moves_the_file_only_when_complete(tmp_pa
         w.write([Rollout(1, 2, "q", -1, [1], [2], "stop")])
     assert w.close(complete=False) == w.partial
     assert path.read_bytes() == before and len(read_trace(w.partial)) == 1
+
+
+def test_identical_rollouts_refuses_mismatched_runs():
+    from integrations.results import identical_rollouts, rollout_digest
+
+    assert rollout_digest([1, 2, 3]) == rollout_digest((1, 2, 3)) != rollout_digest([1, 2, 4])
+    assert len(rollout_digest([])) == 16
+    with pytest.raises(ValueError, match="iterations"):
+        identical_rollouts({"a": [["x"]], "b": []})
+    with pytest.raises(ValueError, match="iteration 0"):
+        identical_rollouts({"a": [["x"]], "b": [["x", "y"]]})
+
+
+def test_result_provenance_names_commit_date_cpu_and_command():
+    import datetime
+    import subprocess
+
+    from integrations.results import REPO, provenance
+
+    p = provenance("das-rollout", ["--data", "dsr_sub", "--compare", ""])
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    assert p["code_version"]["commit"] == head and isinstance(p["code_version"]["dirty"], bool)
+    assert datetime.datetime.fromisoformat(p["date"]).tzinfo is not None
+    assert isinstance(p["cpu"], str) and p["cpu"]
+    assert p["command"] == "das-rollout --data dsr_sub --compare ''"

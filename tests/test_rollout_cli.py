@@ -1,6 +1,7 @@
 """The das-rollout main job: argument checking, and one real end-to-end run on the tiny model."""
 
 import json
+import os
 
 import pytest
 
@@ -140,3 +141,52 @@ def test_missing_data_file_is_a_one_line_error(tmp_path, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "das-rollout: error:" in err and "nope.parquet" in err and "Traceback" not in err
+
+
+def test_sampling_is_coupled_unless_asked_otherwise():
+    from integrations.rollout import parse_args
+
+    assert parse_args(["--iterations", "1"]).coupled_sampling is True
+    assert parse_args(["--coupled-sampling"]).coupled_sampling is True  # the old flag: the default now
+    assert parse_args(["--independent-sampling"]).coupled_sampling is False
+
+
+def test_coupled_sampling_is_named_for_engines_in_other_processes(monkeypatch):
+    import argparse
+
+    from integrations.rollout import request_coupled_sampling
+
+    monkeypatch.setenv("DAS_VLLM_FEATURES", "other")
+    request_coupled_sampling(argparse.Namespace(coupled_sampling=True))
+    request_coupled_sampling(argparse.Namespace(coupled_sampling=True))
+    assert os.environ["DAS_VLLM_FEATURES"] == "other,coupled_sampling"
+    monkeypatch.delenv("DAS_VLLM_FEATURES")
+    request_coupled_sampling(argparse.Namespace(coupled_sampling=False))
+    assert "DAS_VLLM_FEATURES" not in os.environ
+
+
+def _iteration(wall: float, tokens: int, digests: list[str]) -> dict:
+    return {"wall_time_s": wall, "tokens": tokens, "verification_steps": tokens, "tokens_per_s": tokens / wall, "iteration": 0,
+            "longest_rollout_tokens": 9, "acceptance_length": 1.0, "draft_tokens": 0, "accepted_tokens": 0, "rollout_digests": digests}
+
+
+def test_the_report_counts_identical_rollouts_and_gives_wall_clock_beside_token_ratios():
+    from integrations.rollout import compare_methods, format_table, summarize
+
+    runs = {"das": [_iteration(5.0, 100, ["a", "b", "c"]), _iteration(5.0, 100, ["d", "e", "f"])],
+            "none": [_iteration(10.0, 80, ["a", "b", "x"]), _iteration(10.0, 80, ["d", "e", "f"])],
+            "suffix": [_iteration(8.0, 100, ["a", "y", "c"]), _iteration(8.0, 100, ["d", "e", "f"])]}
+    report = {"coupled_sampling": True, "methods": {m: {"iterations": its, "summary": summarize(its)} for m, its in runs.items()}}
+    compare_methods(report)
+    same = report["identical_rollouts"]
+    assert same == {"identical": 4, "rollouts": 6, "per_iteration": [1, 3], "vs_first": {"none": 5, "suffix": 5}}
+    das = report["methods"]["das"]["summary"]
+    # other rollouts, other token counts: the wall-clock ratio (2.0) and the tokens-per-second ratio (2.5) differ
+    assert das["speedup_vs_none"] == 2.0 and das["tokens_per_s_vs_none"] == 2.5
+    assert das["speedup_vs_suffix"] == 1.6 and das["tokens_per_s_vs_suffix"] == 1.6
+    assert report["methods"]["none"]["summary"]["speedup_vs_none"] == 1.0
+    text = format_table(report)
+    assert "wall_vs_suffix" in text and "identical rollouts in every method: 4 of 6 (coupled sampling" in text
+    one = {"methods": {"das": report["methods"]["das"]}}
+    compare_methods(one)
+    assert one["methods"]["das"]["summary"]["speedup_vs_none"] is None and "identical" not in format_table(one)
