@@ -14,7 +14,10 @@ For each data set (default DSR-sub math and LeetCode code), with the real SmolLM
    (prefix cache reset, DAS window advanced), then generates the same prompts with the same seed
    through the loop's own rollout function (:func:`integrations.vllm_ext.rollouts.generate_rollouts`).
    Every method thus samples from the same sequence of policies; only speculation differs. The
-   train method is replayed too, so all rows are measured the same way.
+   train method is replayed too, so all rows are measured the same way. Sampling is coupled
+   (``--independent-sampling`` turns it off), so the methods generate the same rollouts wherever
+   their logits agree; the summary counts the rollouts identical in every method
+   (``identical_rollouts``).
 
 Per iteration and method: rollout wall time, time of the longest 10% of rollouts (wall time minus
 the finish time of the 90th-percentile rollout: the tail when the running batch is nearly empty),
@@ -68,6 +71,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/rollout", help="directory for JSON, tables and PNGs (default: runs/rollout, git-ignored)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--overwrite", action="store_true", help="replace result files already in --out (else refuse before running)")
+    p.add_argument("--independent-sampling", action="store_true",
+                   help="let each method draw its own random numbers (default: coupled sampling, the same rollouts wherever logits agree)")
     p.add_argument("overrides", nargs="*", help="extra recipe overrides (section.key=value) for every data set")
     args = p.parse_args(argv)
     args.data = [d.strip() for d in args.data.split(",") if d.strip()]
@@ -124,6 +129,7 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     from transformers import AutoTokenizer
 
     from integrations.data.problems import load_problems, render_prompts
+    from integrations.results import identical_rollouts, rollout_digest
     from integrations.rl.grpo import release_engine_state, request_caps, run
     from integrations.rl.recipes import load_recipe
     from integrations.rl.rewards import make_reward_fn, overlong_penalty
@@ -192,11 +198,12 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
                 caps = budget.caps(pids) if budget is not None else None
                 batch = generate_rollouts(llm, [prompt_ids[p] for p in pids], pids, samples=base.rollout.samples, max_tokens=base.rollout.max_tokens,
                                           temperature=base.rollout.temperature, top_p=base.rollout.top_p, seed=base.seed * 1_000_003 + step,
-                                          draft_caps=caps, das=engine_method == "das")
+                                          draft_caps=caps, das=engine_method == "das", coupled=not args.independent_sampling)
                 if budget is not None:
                     budget.observe(step, [r.problem_id for r in batch.rollouts], [len(r.output_ids) for r in batch.rollouts])
                 scores, rew = scored(batch)
-                results[method].append(_iteration_record(method, step, batch, scores, rew, {"draft_caps": caps} if caps else None))
+                extra = {"rollout_digests": [rollout_digest(r.output_ids) for r in batch.rollouts], **({"draft_caps": caps} if caps else {})}
+                results[method].append(_iteration_record(method, step, batch, scores, rew, extra))
                 if progress is not None:
                     progress.update(1)
         finally:
@@ -213,7 +220,11 @@ def run_dataset(data: str, args: argparse.Namespace, progress: Any = None) -> di
     if "none" in summary:
         for m in summary:
             summary[m]["speedup_vs_none"] = round(summary["none"]["wall_time_s"] / summary[m]["wall_time_s"], 3)
-    return {"data": data, "recipe": base.to_dict(), "model": model_dir, "train_method": args.train_method, "train_wall_s": round(train_wall, 1),
+            base_tps = summary["none"]["tokens_per_s"]
+            summary[m]["tokens_per_s_vs_none"] = round(summary[m]["tokens_per_s"] / base_tps, 3) if base_tps else None
+    same = identical_rollouts({m: [r["rollout_digests"] for r in its] for m, its in results.items()})
+    return {"data": data, "coupled_sampling": not args.independent_sampling, "identical_rollouts": same,
+            "recipe": base.to_dict(), "model": model_dir, "train_method": args.train_method, "train_wall_s": round(train_wall, 1),
             "training": training, "train_loop_rollouts": loop, "methods": results, "summary": summary}
 
 
@@ -234,15 +245,18 @@ def format_tables(report: dict[str, Any]) -> str:
     rows = [[m, int(r["iteration"]), *(r[k] if f == "" else float(r[k]) for k, (_, f) in zip(keys, cols[2:]))]
             for m, its in report["methods"].items() for r in its]
     scols = [("method", ""), ("wall s", ".1f"), ("tail 10% s", ".1f"), ("tok/s", ".0f"), ("acc. len", ".2f"), ("mean reward", "+.3f"),
-             ("speedup vs none", "")]
+             ("wall vs none", ""), ("tok/s vs none", "")]
     summary = [[m, *(float(s[k]) for k in ("wall_time_s", "tail10_s", "tokens_per_s", "acceptance_length", "reward_mean")),
-                f"{s['speedup_vs_none']:.2f}x" if "speedup_vs_none" in s else "-"] for m, s in report["summary"].items()]
+                *(f"{s[k]:.2f}x" if s.get(k) else "-" for k in ("speedup_vs_none", "tokens_per_s_vs_none"))] for m, s in report["summary"].items()]
+    same = report.get("identical_rollouts")
+    same_line = ([f"Rollouts identical in every method: {same['identical']} of {same['rollouts']} "
+                  f"({'coupled' if report.get('coupled_sampling') else 'independent'} sampling).", ""] if same else [])
     tcols = [("step", ""), ("reward", "+.3f"), ("acc", ".2f"), ("format", ".2f"), ("loss", "+.4f"), ("clip frac", ".3f"),
              ("approx KL", "+.5f"), ("updates", ""), ("rollout s", ".1f"), ("train s", ".1f"), ("sync s", ".2f")]
     training = [[t["step"], *(float(t[k]) for k in ("reward_mean", "accuracy", "format_rate", "loss", "clip_frac", "approx_kl")),
                  t["updates"], *(float(t[k]) for k in ("rollout_s", "train_s", "sync_s"))] for t in report["training"]]
     return "\n".join([f"### {report['data']} (trained with `{report['train_method']}`)", "", _markdown(rows, cols), "",
-                      _markdown(summary, scols), "", "Training (the GRPO loop that produced the policies):", "",
+                      _markdown(summary, scols), "", *same_line, "Training (the GRPO loop that produced the policies):", "",
                       _markdown(training, tcols, first_left=False)])
 
 
@@ -352,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     args.methods = drop_unavailable(args.methods, "benchmarks.rollout")
     from tqdm import tqdm
 
-    from integrations.results import check_output_path, write_atomic
+    from integrations.results import check_output_path, provenance, write_atomic
 
     try:  # before the run, not after it
         for f in output_files(args):
@@ -367,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
     with tqdm(total=total, desc="rollout benchmark (iterations)", unit="it", file=sys.stderr) as bar:
         for data in args.data:
             rep = run_dataset(data, args, bar)
-            rep["command"] = "python -m benchmarks.rollout " + " ".join(argv if argv is not None else sys.argv[1:])
+            rep = {**provenance("python -m benchmarks.rollout", argv), **rep}
             write_atomic(out / f"rollout_{data}.json", json.dumps(rep, indent=1))
             reports.append(rep)
     text = "\n\n".join(format_tables(r) for r in reports)

@@ -64,7 +64,11 @@ def test_rollout_markdown_tables():
                           "summary": {"none": {**summary, "speedup_vs_none": 1.0}, "das": summary}})
     assert text.startswith("### dsr_sub (trained with `none`)")
     assert _cells(text, "das")[:12] == ["das", "0", "12.3", "3.2", "1000", "81", "2.35", "500", "300", "+0.250", "123", "0.25"]
-    assert _cells(text, "none") == ["none", "24.0", "6.4", "80", "2.30", "-0.100", "1.00x"]
+    assert _cells(text, "none") == ["none", "24.0", "6.4", "80", "2.30", "-0.100", "1.00x", "-"]
+    assert "identical in every method" not in text
+    same = format_tables({"data": "dsr_sub", "train_method": "none", "methods": {"das": [it]}, "training": [step], "coupled_sampling": True,
+                          "identical_rollouts": {"identical": 7, "rollouts": 8}, "summary": {"das": summary}})
+    assert "Rollouts identical in every method: 7 of 8 (coupled sampling)." in same
     assert _cells(text, "0")[1:] == ["+0.100", "0.50", "1.00", "+0.0123", "0.000", "-0.00001", "4", "10.0", "5.0", "0.25"]
     assert "|:---" in text and "---:|" in text  # markdown: text left, numbers right
 
