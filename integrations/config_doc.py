@@ -18,6 +18,7 @@ from typing import Any, Literal
 import annotated_types as at
 
 from das.config import DASConfig, expected
+from scheduler.budgets import BUDGETS
 from scheduler.budgets import names as budget_names
 
 BENCHMARKS = "benchmarks.md"
@@ -135,14 +136,39 @@ PER_REQUEST = (
                                               "inverse-CDF sample at a uniform fixed by (key, `i`), whatever the drafts"),
 )
 
-#: Environment variables: (name, what it does).
+#: What else a budget's choice depends on: notes printed under the budget table.
+BUDGET_NOTES = (
+    "The priced budgets (`cost`, `makespan`, and `eq7`'s cost model) price a step online, from the engine's own step "
+    "times (`scheduler.knee_cost.KneeCost`): beside the two-regime line of Eq. 1 it fits a hinge, a step flat in the "
+    "tokens it verifies up to a **knee** and linear above it, and takes a knee only where the steps show one clearly (a "
+    "memory-bound GPU step). Below the knee a draft token is free, and `cost` and `makespan` spend the free tokens on "
+    "the rows predicted to finish last first; on a compute-bound CPU no knee shows and the price stays the line. "
+    "The settings `c_base` and `c_tok` replace the online fit with fixed constants.",
+    "`max_spec_factor` applies to the `walk` chooser only: the default chooser, `mix`, ignores it (its drafts stop by "
+    "`min_token_prob` and the budget).",
+)
+
+#: Environment variables the code reads: (name, what it does).
 ENVIRONMENT = (
     ("DAS_CACHE_DIR", "where converted models, rollout traces and the CPU calibration are cached (default `~/.cache/das`)"),
-    ("DAS_DATA_DIR", "the directory of the shared data files (`dsr_sub.parquet`, `math500.parquet`, `leetcode_train.json`; "
-                     "default `../shared/data` from the repository root)"),
+    ("DAS_DATA_DIR", "a directory of local data files that win over the shipped and downloaded copies (`dsr_sub.parquet`, "
+                     "`math500.parquet`, `leetcode_train.json`); read by the command-line entry points only "
+                     "(`integrations.data.registry`; unset: none)"),
     ("DAS_STEP_LOG", "a JSON-lines file: one line per clean decode step (rows, draft tokens, accepted tokens, seconds, the "
                      "fitted step prices)"),
     ("DAS_IOMP", "`1` or `0`: preload Intel's OpenMP runtime or not, instead of deciding from the CPU"),
+    ("DAS_NO_REEXEC", "`1`: the CLIs do not re-execute themselves to preload Intel's OpenMP runtime"),
+    ("DAS_CPU_REEXEC", "set by a CLI on the process it re-executes with Intel's OpenMP preloaded, so that it does not do it twice (internal)"),
+    ("DAS_VLLM_FEATURES", "comma-separated das features of vLLM to install in every process vLLM starts (`coupled_sampling`); "
+                          "`das-rollout` sets it when it samples coupled"),
+    ("VLLM_CPU_KVCACHE_SPACE", "vLLM's KV cache in GiB on the CPU; das sizes it to the workload unless it is set"),
+    ("VLLM_CPU_OMP_THREADS_BIND", "vLLM's OpenMP threads on the CPU (`all` or a CPU list); das decides it unless it is set"),
+    ("VLLM_ENABLE_V1_MULTIPROCESSING", "vLLM's engine core in its own process (`1`) or in the caller's (`0`, das's CPU default "
+                                       "unless it is set)"),
+    ("VLLM_CPU_NUM_OF_RESERVED_CPU", "CPUs vLLM keeps free of OpenMP threads (das's CPU default `0` unless it is set)"),
+    ("VLLM_LOGGING_LEVEL", "vLLM's log level; the CLIs default it to `ERROR` to keep their tables readable"),
+    ("LD_PRELOAD", "read to see whether Intel's OpenMP runtime is preloaded already (the CLIs re-execute themselves to "
+                   "preload it where das's CPU settings choose it)"),
 )
 
 
@@ -152,6 +178,11 @@ def render() -> str:
     for key, field in DASConfig.model_fields.items():
         lines.append(f"| `{key}` | {type_name(field.annotation)} | `{value_text(field.default)}` | {range_text(key)} | "
                      f"{cell(field.description or '')} |")
+    lines += ["", "## Speculation budgets", "", "`budget` (`das-rollout --budget`, the recipes' `scheduler.budget`) is the per-step "
+              "rule that decides how many draft tokens each row verifies (`scheduler/budgets.py` and the budget classes):", "",
+              "| budget | what it does |", "|---|---|"]
+    lines += [f"| `{name}` | {cell(BUDGETS[name].summary)} |" for name in budget_names("proposer")]
+    lines += ["", *(line for note in BUDGET_NOTES for line in (note, ""))][:-1]
     lines += ["", "## Why the defaults", "",
               "One line per default with evidence behind it; the figures, with their commands, are in "
               f"[{BENCHMARKS}]({BENCHMARKS}).", ""]
