@@ -73,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overwrite", action="store_true", help="replace result files already in --out (else refuse before running)")
     p.add_argument("--independent-sampling", action="store_true",
                    help="let each method draw its own random numbers (default: coupled sampling, the same rollouts wherever logits agree)")
+    p.add_argument("--plot-training", nargs=2, metavar=("LOG.jsonl", "OUT.png"),
+                   help="plot a GRPO loop's JSON-lines log (das-grpo log.json) instead of running the benchmark")
     p.add_argument("overrides", nargs="*", help="extra recipe overrides (section.key=value) for every data set")
     args = p.parse_args(argv)
     args.data = [d.strip() for d in args.data.split(",") if d.strip()]
