@@ -180,16 +180,29 @@ def check_sampling_args(args: argparse.Namespace) -> None:
     args.coupled_sampling = not args.independent_sampling
 
 
-def request_coupled_sampling(args: argparse.Namespace) -> None:
+def request_coupled_sampling(args: argparse.Namespace) -> str | None:
     """With coupled sampling, name the feature in ``DAS_VLLM_FEATURES`` before any engine starts, so that
-    workers in other processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) install it at their start too."""
-    if not args.coupled_sampling:
-        return
+    workers in other processes (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) install it at their start too.
+
+    Returns the variable's value before (None: unset), for :func:`restore_features`."""
     from integrations.vllm_ext.patches import FEATURES_ENV
 
-    features = [f.strip() for f in os.environ.get(FEATURES_ENV, "").split(",") if f.strip()]
-    if "coupled_sampling" not in features:
-        os.environ[FEATURES_ENV] = ",".join([*features, "coupled_sampling"])
+    before = os.environ.get(FEATURES_ENV)
+    if args.coupled_sampling:
+        features = [f.strip() for f in (before or "").split(",") if f.strip()]
+        if "coupled_sampling" not in features:
+            os.environ[FEATURES_ENV] = ",".join([*features, "coupled_sampling"])
+    return before
+
+
+def restore_features(before: str | None) -> None:
+    """Put ``DAS_VLLM_FEATURES`` back as :func:`request_coupled_sampling` found it (for callers of :func:`main` in-process)."""
+    from integrations.vllm_ext.patches import FEATURES_ENV
+
+    if before is None:
+        os.environ.pop(FEATURES_ENV, None)
+    else:
+        os.environ[FEATURES_ENV] = before
 
 
 def fit_to_problems(args: argparse.Namespace, num_problems: int) -> str | None:
@@ -485,7 +498,15 @@ def main(argv: list[str] | None = None) -> int:
         cpu_runtime.reexec_with_iomp()
     args = parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # keep the table readable; set it to see vLLM's logs
-    request_coupled_sampling(args)
+    features = request_coupled_sampling(args)
+    try:
+        return run_main(args, argv)
+    finally:
+        restore_features(features)
+
+
+def run_main(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """:func:`main` after its arguments are parsed and the engine's environment is set."""
     from tqdm import tqdm
     from transformers import AutoTokenizer
 

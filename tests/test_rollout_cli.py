@@ -70,6 +70,12 @@ def test_main_job_end_to_end_on_tiny_model(tiny_model, tmp_path):
     assert report["methods"]["none"]["iterations"][0]["acceptance_length"] == 1.0
     rollouts = read_trace(trace)
     assert len(rollouts) == 2 * 2 * 2 and {r.policy_version for r in rollouts} == {1, 2}
+    # coupled sampling by default: the report counts the rollouts both methods generated alike, and says how it ran
+    same = report["identical_rollouts"]
+    assert report["coupled_sampling"] is True and same["rollouts"] == 8 and 0 <= same["identical"] <= 8
+    assert report["methods"]["das"]["summary"]["speedup_vs_none"] > 0
+    assert report["code_version"]["commit"] and report["command"].startswith("das-rollout --model") and report["date"]
+    assert "DAS_VLLM_FEATURES" not in os.environ or "coupled_sampling" not in os.environ["DAS_VLLM_FEATURES"]
 
 
 def test_result_paths_are_checked_before_the_run(tmp_path):
@@ -154,14 +160,19 @@ def test_sampling_is_coupled_unless_asked_otherwise():
 def test_coupled_sampling_is_named_for_engines_in_other_processes(monkeypatch):
     import argparse
 
-    from integrations.rollout import request_coupled_sampling
+    from integrations.rollout import request_coupled_sampling, restore_features
 
     monkeypatch.setenv("DAS_VLLM_FEATURES", "other")
-    request_coupled_sampling(argparse.Namespace(coupled_sampling=True))
+    assert request_coupled_sampling(argparse.Namespace(coupled_sampling=True)) == "other"
     request_coupled_sampling(argparse.Namespace(coupled_sampling=True))
     assert os.environ["DAS_VLLM_FEATURES"] == "other,coupled_sampling"
+    restore_features("other")
+    assert os.environ["DAS_VLLM_FEATURES"] == "other"
     monkeypatch.delenv("DAS_VLLM_FEATURES")
-    request_coupled_sampling(argparse.Namespace(coupled_sampling=False))
+    before = request_coupled_sampling(argparse.Namespace(coupled_sampling=False))
+    assert before is None and "DAS_VLLM_FEATURES" not in os.environ
+    request_coupled_sampling(argparse.Namespace(coupled_sampling=True))
+    restore_features(before)
     assert "DAS_VLLM_FEATURES" not in os.environ
 
 
