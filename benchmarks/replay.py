@@ -3,8 +3,8 @@
 ``python -m benchmarks.replay [--trace PATH] [--json PATH] [--plot PATH] [--scale]``
 
 Without ``--trace`` it replays the benchmarks' cached trace, recorded first with the real model
-when it is missing (:func:`integrations.data.trace.cached_trace`: DSR-sub where the shared data
-file is present, else the embedded CHAMP problems; 5 iterations x 16 prompts x 8 samples, 384
+when it is missing (:func:`integrations.data.trace.cached_trace`: DSR-sub, shipped with the
+package; 5 iterations x 16 prompts x 8 samples, 384
 tokens; several minutes on a 2-core CPU).
 
 Replay: the rollouts of one iteration (policy version) run concurrently. Each request's first

@@ -1,4 +1,4 @@
-"""The docs' commands are true: every das command in README.md, docs/*.md and recipes/README.md (shell code
+"""The docs' commands are true: every das command in README.md, docs/*.md, recipes/README.md and benchmarks/README.md (shell code
 blocks and inline code) is run once per entry point with ``--help``, every option a documented command uses
 must appear in that help, and every results file the docs cite must exist.
 
@@ -21,7 +21,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
-DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "recipes" / "README.md"]
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "recipes" / "README.md", REPO / "benchmarks" / "README.md"]
 #: console scripts (pyproject.toml [project.scripts]) and the module each runs
 SCRIPTS = {"das-rollout": "integrations.rollout", "das-grpo": "integrations.rl.grpo"}
 #: packages of this project whose modules the docs run with ``python -m``

@@ -1,4 +1,4 @@
-"""Problem sets for RL rollouts: loaders for the shared data files and for data shipped in packages.
+"""Problem sets for RL rollouts: loaders for the data files (verl parquet, LeetCode JSON and JSON lines) and for data shipped in packages.
 
 Every loader returns a list of :class:`Problem` in file order. ``limit`` keeps the first ``limit``
 problems (``None`` keeps all; a negative limit raises ``ValueError``).

@@ -16,8 +16,8 @@ column             type                 meaning
 
 Traces are generated data: write them to a cache or output directory, never to the repository.
 The benchmarks that replay a trace share one cached trace (:func:`cached_trace`): the DSR-sub
-problems where the shared data file is present, else the embedded CHAMP problems, recorded with
-the real model the first time it is needed (:func:`record_trace`).
+problems (shipped with the package), recorded with the real model the first time it is needed
+(:func:`record_trace`).
 """
 
 from __future__ import annotations
