@@ -500,13 +500,14 @@ def load_embedded(kind: str = "math", limit: int | None = None) -> list[Problem]
         ValueError: unknown ``kind``.
         ModuleNotFoundError / FileNotFoundError: the package or its data file is missing.
     """
+    from integrations.data.registry import lookup
+
     limit = _check_limit(limit)
-    k = kind.lower() if isinstance(kind, str) else kind
-    if k in ("math", "champ"):
-        return _load_champ(limit)
-    if k in ("code", "humaneval", "human_eval", "human-eval"):
-        return _load_humaneval(limit)
-    raise ValueError(f"unknown embedded set {kind!r}: expected 'math' (CHAMP) or 'code' (HumanEval)")
+    d = lookup(kind) if isinstance(kind, str) else None  # names and aliases: integrations.data.registry
+    loaders = {"champ": _load_champ, "humaneval": _load_humaneval}
+    if d is None or d.name not in loaders:
+        raise ValueError(f"unknown embedded set {kind!r}: expected 'math' (CHAMP) or 'code' (HumanEval)")
+    return loaders[d.name](limit)
 
 
 # ----------------------------------------------------------------------------------------------
