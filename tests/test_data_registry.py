@@ -169,3 +169,18 @@ def test_the_cli_lists_and_downloads(hub, capsys):
     assert "dsr_sub" in out and "MIT" in out and "python -m integrations.data download leetcode" in out
     assert main(["download", "leetcode"]) == 0
     assert capsys.readouterr().out.strip().endswith("LeetCodeDataset-train.jsonl")
+
+
+def test_das_grpo_reads_das_data_dir_at_its_entry_point(tmp_path, monkeypatch):
+    import argparse
+    import shutil
+
+    from integrations.rl.grpo import check_recipe
+
+    p = argparse.ArgumentParser(prog="das-grpo")
+    args = argparse.Namespace(recipe="grpo_dsr_sub", overrides=["data=math500", "log.json=null"], overwrite=False, compare=None)
+    monkeypatch.delenv(registry.DATA_ENV, raising=False)
+    assert check_recipe(p, args).data == "math500"  # the shipped copy: the name stays
+    shutil.copy(registry.PACKAGE_FILES / "math500.parquet", tmp_path / "math500.parquet")
+    monkeypatch.setenv(registry.DATA_ENV, str(tmp_path))
+    assert check_recipe(p, args).data == str(tmp_path / "math500.parquet")  # the local copy wins, passed on as a path
