@@ -123,6 +123,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.temperature < 0:
         p.error(f"--temperature must be >= 0, got {args.temperature}")
+    if args.coupled_sampling:
+        from integrations.vllm_ext.patches.coupled_sampling import unsupported_reason
+
+        if (why := unsupported_reason()) is not None:
+            p.error(f"--coupled-sampling: {why}")
     try:  # where the problems come from, checked without reading them
         problem_source(args.data)
     except (OSError, ValueError) as exc:
