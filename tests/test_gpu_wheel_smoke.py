@@ -33,6 +33,6 @@ def test_dry_run_runs_none_and_das_and_finds_identical_rollouts(tmp_path, capsys
     assert report["coupled"] is True and report["differ"] == []
     assert report["rollouts"] == 2 * 2 * 2
     assert set(report["methods"]) == {"none", "das"}
-    assert report["methods"]["none"]["draft_tokens"] == 0
+    assert report["methods"]["none"]["draft_tokens"] == 0 and report["methods"]["das"]["draft_tokens"] > 0
     text = capsys.readouterr().out
     assert "identical rollouts: 8 of 8" in text and "speed-up" in text
