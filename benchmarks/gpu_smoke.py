@@ -1,8 +1,9 @@
 """GPU smoke test: ``none`` against ``das`` on the same prompts, outputs compared, a speed table.
 
-For a user with one GPU and a CUDA build of vLLM in the ``cuda`` extra's range (docs/gpu.md); about
-5 minutes with the defaults on one GPU (two engine starts, 2 x 2 batches of 8 prompts x 8 samples of
-up to 512 tokens)::
+For a user with one GPU and a CUDA build of vLLM in the ``cuda`` extra's range (docs/gpu.md). The
+defaults are sized for well under 10 minutes on one GPU (two engine starts with their compilation
+and CUDA-graph capture, then 2 x 2 batches of 8 prompts x 8 samples of up to 512 tokens of a 1.5B
+model); not yet timed on a GPU (this project has none)::
 
     python -m benchmarks.gpu_smoke --model Qwen/Qwen2.5-1.5B-Instruct
     python -m benchmarks.gpu_smoke --dry-run     # the same code path on the CPU build, tiny model, seconds
