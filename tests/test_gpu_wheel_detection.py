@@ -159,20 +159,20 @@ def test_generate_rollouts_never_runs_coupled_without_it(build):
 
 
 @pytest.mark.slow
-def test_a_feature_asked_for_where_it_cannot_run_is_a_warning(build, caplog):
+def test_a_feature_asked_for_where_it_cannot_run_is_a_warning(build, caplog, monkeypatch):
     """On a CUDA build the CPU-path fixes are left out at debug level (each ``on_cuda`` says why they are
-    not needed); coupled sampling, asked for, is a warning naming it."""
+    not needed); coupled sampling, asked for, is a warning naming it. (This process's record of what
+    is installed and reported starts empty: earlier tests may have installed patches as a CPU build.)"""
     from integrations.vllm_ext import patches
 
+    monkeypatch.setattr(patches, "_installed", [])
+    monkeypatch.setattr(patches, "_reported", set())
     build("vllm", "0.32.0")
-    patches._reported.clear()
     with caplog.at_level(logging.DEBUG, logger="integrations.vllm_ext.patches"):
-        patches.apply(features=["coupled_sampling"])
+        done = patches.apply(features=["coupled_sampling"])
+    assert done == ("suffix_schedule",)
     by_name = {p.name: [r for r in caplog.records if f"patch {p.name} " in r.getMessage()] for p in patches.PATCHES if p.cpu_only}
     assert [r.levelno for r in by_name.pop("coupled_sampling")] == [logging.WARNING]
     for name, records in by_name.items():
-        if name in patches.installed():  # installed earlier in this process, while it was a CPU build
-            continue
         assert [r.levelno for r in records] == [logging.DEBUG], name
         assert "not needed" in records[0].getMessage()
-    patches._reported.clear()
