@@ -138,6 +138,10 @@ def test_model_runner_v2_falls_back_to_v1_for_custom_class(config, vllm_root, mo
     assert config.use_v2_model_runner is False
     v2 = vllm_root / "v1" / "worker" / "gpu" / "model_runner.py"
     assert v2.exists() and "custom_class" not in v2.read_text()
+    speculators = vllm_root / "v1" / "worker" / "gpu" / "spec_decode" / "__init__.py"
+    if speculators.exists():  # forced, V2 stops the engine at start rather than run without drafts
+        tail = speculators.read_text().rsplit("else:", 1)[-1]
+        assert "custom_class" not in speculators.read_text() and "raise NotImplementedError" in tail
     source = inspect.getsource(type(config).use_v2_model_runner.fget)
     assert "VLLM_USE_V2_MODEL_RUNNER" in source and "_get_v2_model_runner_unsupported_features" in source
 
