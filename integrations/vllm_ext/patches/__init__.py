@@ -12,7 +12,10 @@ Each module holds one patch and its :class:`~integrations.vllm_ext.patches.patch
 its kind (bug fix, speed fix or feature), its upstream issue or pull request, the vLLM versions it
 was tested on and the signature of every vLLM function it touches. :func:`apply` installs a patch
 only on those versions, on vLLM's CPU build where it is CPU-only, and while those signatures are
-the ones it was written for; it logs what it installed and, once, what it left out and why.
+the ones it was written for; it logs what it installed and, once, what it left out and why: a
+warning for every patch that is needed and left out (another version, changed signatures, a
+feature asked for on a build it does not run on), a debug line for a CPU-path fix on a CUDA build,
+which does not need it (each patch's ``on_cuda`` says why; docs/gpu.md has the table).
 
 ======================  ===========  ==========================================================
 patch                   kind         what it changes
@@ -122,7 +125,9 @@ def apply(features: Iterable[str] | None = None) -> tuple[str, ...]:
         if patch.name in _installed or (patch.kind == "feature" and patch.name not in wanted):
             continue
         if patch.cpu_only and not cpu:
-            _left_out(patch, "it is for vLLM's CPU build only", logging.DEBUG)
+            # A feature was asked for and cannot run here: a warning. A fix of the CPU code path is not needed here.
+            needed = patch.kind == "feature"
+            _left_out(patch, f"this is not vLLM's CPU build; {patch.on_cuda}", logging.WARNING if needed else logging.DEBUG)
             continue
         if version not in patch.versions:
             untested.append(patch.name)

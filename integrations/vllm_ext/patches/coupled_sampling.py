@@ -232,6 +232,29 @@ def install() -> None:
     replace(TARGET, keyed_sampling, PATCH.name)
 
 
+def unsupported_reason() -> str | None:
+    """Why coupled sampling cannot run with the installed vLLM, in one line, or None where it can.
+
+    Decided from the installed packages, without importing vLLM or touching CUDA: it runs on vLLM's
+    CPU build (:func:`integrations.vllm_ext.cpu_runtime.is_cpu_build`) of a version it was tested on
+    (:attr:`PATCH` ``.versions``); a CUDA build samples with vLLM's GPU samplers, which ignore the keys.
+    Entry points that promise identical rollouts (``das-rollout --coupled-sampling``, ``das-grpo
+    --compare``) refuse with this line instead of running without it.
+    """
+    from integrations.vllm_ext.cpu_runtime import is_cpu_build, vllm_distribution
+    from integrations.vllm_ext.patches.patch import vllm_version
+
+    owner = vllm_distribution()
+    if not is_cpu_build():
+        build = f"{owner[0]} {owner[1]}" if owner is not None else "no vLLM CPU build"
+        return (f"coupled sampling runs on vLLM's CPU build only, and this is {build}: vLLM's GPU samplers ignore the "
+                f"sample keys (docs/gpu.md, Coupled sampling)")
+    version = vllm_version()
+    if version not in PATCH.versions:
+        return f"coupled sampling was tested on vLLM {', '.join(PATCH.versions)}, and this is vLLM {version}"
+    return None
+
+
 def _install_in_worker(worker: Any) -> bool:
     from integrations.vllm_ext import patches
 
@@ -274,5 +297,8 @@ PATCH = Patch(
     cpu_only=True,
     expects={TARGET: "(self, logits, spec_decode_metadata)"},
     install=install,
+    on_cuda=("refused: the keys are read by das's CPU sampler path (lazy_rejection, lazy_bonus), and vLLM's GPU samplers (FlashInfer, Triton "
+             "rejection kernels) draw their own noise; das-rollout --coupled-sampling and das-grpo --compare stop with an error on a CUDA "
+             "build (docs/gpu.md, Coupled sampling)"),
     requires=("lazy_rejection", "lazy_bonus"),
 )

@@ -56,4 +56,6 @@ PATCH = Patch(
     cpu_only=True,
     expects={TARGET: "(x, cu_num_tokens, num_tokens, replace_from=0, replace_to=0)"},
     install=install,
+    on_cuda=("not needed: the bug is in the CPU override of expand_kernel, which only vLLM's CPU platform registers (vllm.platforms.cpu calls "
+             "register_kernels); a CUDA build runs the Triton kernel, which keeps float values"),
 )

@@ -142,4 +142,5 @@ PATCH = Patch(
         "vllm.v1.sample.sampler.Sampler.forward": "(self, logits, sampling_metadata, predict_bonus_token=False, logprobs_mode_override=None)",
     },
     install=install,
+    on_cuda="not needed: a speed fix of the CPU sampler (TopKTopPSampler.forward_cpu), which a CUDA build never calls",
 )

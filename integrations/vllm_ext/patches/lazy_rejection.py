@@ -257,4 +257,5 @@ PATCH = Patch(
                      "bonus_token_ids, sampling_metadata, synthetic_mode=False, synthetic_conditional_rates=None, "
                      "use_fp64_gumbel=False)"},
     install=install,
+    on_cuda="not needed: a speed fix of the CPU path; vLLM's GPU rejection sampler is Triton kernels (lazy recovery there is vLLM PR #41258)",
 )

