@@ -85,7 +85,7 @@ def _estimates(w: dict, gpu_of: np.ndarray, n_gpus: int, params: EngineParams) -
 def _sub_work(w: dict, rows: np.ndarray, rng: np.random.Generator) -> dict:
     """The workload dict of ``benchmarks.simulate`` for the requests ``rows`` only (flat indices of
     ``w``), with a predictor fed with synthetic history of their problems."""
-    from benchmarks.simulate import build_predictor
+    from benchmarks.sim_workload import build_predictor
 
     p, s = w["lengths"].shape
     probs = np.unique(rows // s)
@@ -149,7 +149,7 @@ def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am:
 def run_sweep(params: EngineParams, linear: dict, am: AcceptanceModel, *, seeds: int = 3, max_tokens: int = 16384, gpus=SWEEP_GPUS, per_gpu=SWEEP_PER_GPU, plot_path: Path | None = None) -> dict[str, Any]:
     """The whole grid; returns ``{"points": [...], "pruning_check": {...}}`` (means and 95%
     intervals over seeds)."""
-    from benchmarks.simulate import ci95
+    from benchmarks.sim_report import ci95
 
     t0 = time.perf_counter()
     points = []

@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         from integrations.rl import ab
 
-        return ab.main(p, args)
+        return ab.main(p, args, check_recipe, PolicyRun)
     res = run(check_recipe(p, args))
     print(format_steps(res.steps))
     print(json.dumps(res.summary))
