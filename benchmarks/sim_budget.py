@@ -13,7 +13,7 @@ drafts while more rows run; -1: none).
 Where the product measures, the simulator stands in with its models:
 
 * a priced budget (``cost``, ``makespan``) gets, as in the product, the step price fitted online
-  to the GPU's own step times (``price="online"``: :class:`scheduler.knee_cost.KneeCost`, the
+  to the GPU's own step times (``price="online"``: :class:`scheduler.step_price.StepPrice`, the
   two-regime line or a knee where the steps show one, fed each clean step's rows, draft tokens and
   seconds with 5% noise; the simulated roofline plays the engine, the budget sees only step
   times; as the product's planner, a step after :data:`scheduler.planner.PLAIN_EVERY` drafting
@@ -42,13 +42,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from scheduler import LengthPredictor, budgets
-from scheduler.budget_protocol import Budget, Drafts, RowFacts, StepView
-from scheduler.cost_model import CostModel
-from scheduler.knee_cost import KneeCost
-from scheduler.planner import PLAIN_EVERY, PLAIN_PAYOFF
-from scheduler.step_price import LinearPrice
-from scheduler.tail_drafts import BATCH_DRAFT, TailDrafts
+from scheduler import budgets
+from scheduler.budget_protocol import Budget, Drafts, PricedBudget, RowFacts, StepView
+from scheduler.drain_plan import CostModel
+from scheduler.planner import BATCH_DRAFT, PLAIN_EVERY, PLAIN_PAYOFF, TailDrafts
+from scheduler.predictor import LengthPredictor
+from scheduler.step_price import LinearPrice, StepPrice
 
 BUDGETS = budgets.names("simulator")  # none, fixed, cost, makespan, class-eq9, class-roofline, eq7
 QUOTA_MODES = {None: 0, "fixed": 1, "knee": 2}  # a budget's quota rule -> the step loop's quota_mode
@@ -69,7 +68,7 @@ class SimBudget:
         kv_aware: drafts never force a preemption.
         price: of a priced budget, one of :data:`PRICES` (module doc).
         batch_draft: the most draft tokens per row before the long tail
-            (:class:`scheduler.tail_drafts.TailDrafts`, as the product's planner: a priced budget's
+            (:class:`scheduler.planner.TailDrafts`, as the product's planner: a priced budget's
             rows may draft up to K in the tail).
     """
 
@@ -78,14 +77,14 @@ class SimBudget:
         if price not in PRICES:
             raise ValueError(f"price must be one of {PRICES}, got {price!r}")
         self.price = price
-        self.fit = KneeCost(refit_every=4) if budget.priced and price == "online" else None  # the online step price
+        self.fit = StepPrice(refit_every=4) if isinstance(budget, PricedBudget) and price == "online" else None  # the online step price
         self.plain_every = PLAIN_EVERY + 1 if self.fit is not None else 0  # the step loop drafts nothing in every such step
         self.plans = 0
         self.budget = budget
         self.name = budget.name
         self.pred = predictor
         self.max_draft = int(max_draft)
-        self.tail = TailDrafts(self.max_draft, batch_draft, extends=budget.priced)
+        self.tail = TailDrafts(self.max_draft, batch_draft, extends=isinstance(budget, PricedBudget))
         self.linear_cost = linear_cost
         self.cost = cost
         self.dynamic = not budget.static
@@ -116,7 +115,7 @@ class SimBudget:
             self.pred, r.problem_idx[rows], r.gen[rows], np.full(n, float(gpu.p.max_tokens)), r.drafted[rows], r.accepted[rows],
             r.steps[rows], context=r.prompt[rows] + r.gen[rows]))
         caps = self.budget.plan(step)
-        if self.budget.priced:
+        if isinstance(self.budget, PricedBudget):
             step.price = self.step_price(gpu, rows)
             step.calibration = np.ones(n)
             drafts = self.candidates(gpu, rows, caps)

@@ -281,7 +281,7 @@ class EngineParams:
     max_seqs: int = 1024  # vLLM V1 default on >= 70 GiB GPUs
     watermark: float = 0.01
     max_draft: int = 16  # K, the engine's most draft tokens per row and step (das's default; above batch_draft: a priced budget's tail rows)
-    batch_draft: int = 16  # most draft tokens per row and step before the long tail (scheduler.tail_drafts)
+    batch_draft: int = 16  # most draft tokens per row and step before the long tail (scheduler.planner)
     replan_every: int = 16
     drafter_ms_per_256: float = 1.0  # drafter CPU time per step at 256 rows (linear in rows)
     timing_noise: float = 0.05  # relative noise of the step times a cost model observes

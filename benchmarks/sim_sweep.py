@@ -56,7 +56,7 @@ def _estimates(w: dict, gpu_of: np.ndarray, n_gpus: int, params: EngineParams) -
     L = w["lengths"].ravel().astype(np.float64)
     loop = np.minimum(w["loop_at"].ravel(), L)
     am: AcceptanceModel = w["acceptance_model"]
-    from scheduler import tokens_per_step
+    from scheduler.acceptance import tokens_per_step
 
     kk = w["k"].ravel()
     tau_row = tokens_per_step(np.arange(params.max_draft + 1.0)[None, :], kk[:, None], np.minimum(w["a"].ravel(), 1.0 / kk)[:, None])

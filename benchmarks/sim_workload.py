@@ -332,7 +332,7 @@ class AcceptanceModel:
     def tau_table(self, k, a, group_size: int, max_draft: int) -> np.ndarray:
         """Tokens per step ``[n, group_size, max_draft + 1]`` outside loops: request ``i`` with
         ``c`` finished siblings and ``d`` drafts (Eq. 3-4 per step, :func:`scheduler.tokens_per_step`)."""
-        from scheduler import tokens_per_step
+        from scheduler.acceptance import tokens_per_step
 
         k = np.asarray(k, np.float64).ravel()
         a = np.asarray(a, np.float64).ravel()

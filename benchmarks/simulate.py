@@ -16,7 +16,7 @@ workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
   instance per GPU through :mod:`benchmarks.sim_budget`): ``none``, ``fixed`` (the paper's
   unlimited draft budget), ``cost`` (the product's default: the draft tokens that pay at the step's
   price) and ``makespan``, priced as in the product by the step price fitted online to the GPU's
-  step times (:class:`scheduler.knee_cost.KneeCost`: it learns the roofline's knee), with
+  step times (:class:`scheduler.step_price.StepPrice`: it learns the roofline's knee), with
   candidates' probabilities from the acceptance model (``--price-ablations``: also priced by the
   Eq. 1 line fitted offline, and by the roofline's own price); ``class-eq9`` (the published class
   policy), ``class-roofline`` (ours), ``eq7`` (Eq. 7 / 9 per request); all speculative ones KV-aware.
@@ -49,8 +49,10 @@ from benchmarks.sim_placement import PLACEMENTS, assign, run_cluster
 from benchmarks.sim_report import batch_curve, ci95, config_name, plot_validation, print_table
 from benchmarks.sim_workload import AcceptanceModel, LengthModel, build_predictor, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
 from das.config import DASConfig
-from scheduler import LengthPredictor, budgets
-from scheduler.class_budgets import DAS_GATE, DAS_QUOTA
+from scheduler import budgets
+from scheduler.budget_protocol import PricedBudget
+from scheduler.length_classes import DAS_GATE, DAS_QUOTA
+from scheduler.predictor import LengthPredictor
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTH_AWARE = tuple(n for n in BUDGETS if budgets.BUDGETS[n].length_aware)  # budgets that read the length predictor
@@ -284,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--max-draft", type=int, default=16, help="K: the engine's most draft tokens per row and step (das's default; above --batch-draft a priced budget's rows may draft up to it in the long tail)")
-    ap.add_argument("--batch-draft", type=int, default=16, help="most draft tokens per row and step before the long tail (scheduler.tail_drafts)")
+    ap.add_argument("--batch-draft", type=int, default=16, help="most draft tokens per row and step before the long tail (scheduler.planner)")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
     ap.add_argument("--budgets", "--policies", dest="budgets", default=",".join(BUDGETS),
                     help=f"speculation budgets, a comma-separated subset of {','.join(BUDGETS)}")
@@ -364,7 +366,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     if args.extras:
         configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
     if args.price_ablations:
-        configs += [(p, "none", True, price) for price in ("linear", "roofline") for p in names if budgets.BUDGETS[p].priced]
+        configs += [(p, "none", True, price) for price in ("linear", "roofline") for p in names if issubclass(budgets.BUDGETS[p], PricedBudget)]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)

@@ -122,7 +122,7 @@ draft tokens a row may verify in one step: 16 by default for das
 (`integrations.vllm_ext.engine.DEFAULT_NUM_SPEC_TOKENS`). With a larger K, every row still drafts
 at most 16 per step while the batch is full, and in the long tail (a step running at most 1/8 of
 the recent peak rows) the `cost` and `makespan` budgets may give a row up to K where the step
-price says they pay (`scheduler.tail_drafts`).
+price says they pay (`scheduler.planner`).
 """
 
 #: ``SamplingParams(extra_args=...)`` keys the proposer reads: (key, type, what it does).

@@ -110,10 +110,9 @@ def test_expected_states_the_schema_bounds_in_words():
 def test_one_name_per_budget_everywhere():
     from benchmarks.sim_budget import BUDGETS as SIM
     from integrations.vllm_ext.proposer import BUDGETS
-    from scheduler.speculation import BUDGETS as SCHED
 
     assert BUDGETS == budgets.names("proposer") == ("none", "fixed", "cost", "makespan", "class", "eq7")
-    assert SCHED == budgets.names("scheduler") == ("none", "fixed", "class", "eq7")
+    assert budgets.names("grpo") == ("none", "fixed", "class")
     assert SIM == budgets.names("simulator") == ("none", "fixed", "cost", "makespan", "class-eq9", "class-roofline", "eq7")
     assert DEFAULTS.budget in BUDGETS
     assert all(b.summary and b.runs_in for b in budgets.BUDGETS.values())

@@ -1,4 +1,4 @@
-"""Per-step draft selection at a step price (scheduler.draft_selection), as hypothesis properties."""
+"""Per-step draft selection at a step price (scheduler.priced_budgets), as hypothesis properties."""
 
 import itertools
 
@@ -7,17 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.calibration import AcceptanceCalibration
-from scheduler.draft_selection import (
-    choose_drafts,
-    cut_kept_the_same,
-    keep_bound,
-    keep_bounds,
-    never_kept_below,
-    raw_cutoff,
-    raw_cutoffs,
-    select_drafts,
-)
+from scheduler.acceptance import AcceptanceCalibration
+from scheduler.priced_budgets import choose_drafts, keep_bounds, raw_cutoffs
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -30,6 +21,12 @@ def brute_force_best(path_probs, c_base, c_tok):
         gain = rows + sum(float(np.sum(p[:k])) for p, k in zip(path_probs, keep))
         best = max(best, gain / (c_base + c_tok * (rows + sum(keep))))
     return best
+
+
+def on_a_line(path_probs, c_base, c_tok):
+    """:func:`choose_drafts` under one line ``t = c_base + c_tok * tokens`` for both regimes (DAS Eq. 1)."""
+    plain = c_base + c_tok * len(path_probs)
+    return choose_drafts(path_probs, plain, plain, c_tok)
 
 
 @st.composite
@@ -46,7 +43,7 @@ def small_rows(draw):
 @settings(max_examples=100, deadline=None)
 @given(small_rows(), st.floats(0.001, 0.05), st.floats(0.0001, 0.01))
 def test_selection_is_optimal_among_all_prefix_choices(probs, c_base, c_tok):
-    keep = select_drafts(probs, c_base, c_tok)
+    keep = on_a_line(probs, c_base, c_tok)
     rows = len(probs)
     rate = (rows + sum(float(np.sum(p[:k])) for p, k in zip(probs, keep))) / (c_base + c_tok * (rows + keep.sum()))
     assert rate == pytest.approx(brute_force_best(probs, c_base, c_tok))
@@ -70,17 +67,17 @@ def test_a_free_region_below_a_knee_keeps_the_best_prefixes_at_that_price(probs,
 
 def test_large_batches_draft_less_than_small_ones():
     probs = np.array([0.9, 0.7, 0.5, 0.3])
-    small = select_drafts([probs] * 2, c_base=0.02, c_tok=0.0005)
-    large = select_drafts([probs] * 256, c_base=0.02, c_tok=0.0005)
+    small = on_a_line([probs] * 2, c_base=0.02, c_tok=0.0005)
+    large = on_a_line([probs] * 256, c_base=0.02, c_tok=0.0005)
     assert small.sum() / 2 > large.sum() / 256
-    assert select_drafts([np.empty(0)] * 3, 0.01, 0.001).tolist() == [0, 0, 0]
+    assert on_a_line([np.empty(0)] * 3, 0.01, 0.001).tolist() == [0, 0, 0]
 
 
 def test_bad_costs_are_named():
-    with pytest.raises(ValueError, match="c_base"):
-        select_drafts([np.ones(1)], 0.0, 0.1)
-    with pytest.raises(ValueError, match="c_tok"):
-        select_drafts([np.ones(1)], 0.1, -1.0)
+    with pytest.raises(ValueError, match="plain_s"):
+        choose_drafts([np.ones(1)], 0.0, 0.1, 0.1)
+    with pytest.raises(ValueError, match="per_draft_s"):
+        choose_drafts([np.ones(1)], 0.1, 0.1, -1.0)
     with pytest.raises(ValueError, match="free_drafts"):
         choose_drafts([np.ones(1)], 0.1, 0.1, 0.01, free_drafts=-1.0)
 
@@ -141,98 +138,30 @@ def _drafted_down_to(p64, lengths, cuts):
     return np.array([int(np.sum(p64[r, : lengths[r]] >= cuts[r])) for r in range(lengths.shape[0])])
 
 
-@settings(max_examples=300, deadline=None)
-@given(STEPS)
-def test_drafts_cut_at_never_kept_below_keep_the_same_tokens(step):
-    """A drafter that stops at :func:`never_kept_below`'s probability loses only tokens that the
-    selection would have thrown away: the step keeps the same tokens, on every rule, with
-    speculative steps cheaper or dearer than plain ones, and the drafts handed over as float32."""
-    p64, lengths, prices, cal, acc, values = step
-    cut = never_kept_below(lengths.shape[0], *prices, cal, acc.curve(), values)
-    assert 0.0 <= cut <= 1.0
-    short = _drafted_down_to(p64, lengths, cut)
-    p32 = p64.astype(np.float32)
-    full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
-    assert choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=short).tolist() == full.tolist()
-    assert np.all(full <= short)
-
-
-def test_never_kept_below_rises_with_the_price_of_a_draft_token():
-    cuts = [never_kept_below(64, 0.05, 0.05, c) for c in (0.0, 0.0001, 0.0003, 0.0006)]
-    assert cuts[0] == 0.0 and cuts == sorted(cuts) and cuts[-1] < 1.0
-    assert cuts[2] == pytest.approx(64 * 0.0003 / 0.05, rel=1e-5)  # identity map: theta itself
-    assert never_kept_below(64, 0.05, 0.05, 0.001) == 1.0  # no token can pay: nothing to draft
-    assert never_kept_below(64, 0.05, 0.04, 0.0001) == 0.0  # a cheaper speculative step pays for one token at any p
-    assert never_kept_below(4, 0.05, 0.05, 0.001, values=np.array([0.0, 0.01])) == pytest.approx(0.1, rel=1e-5)
-    assert never_kept_below(4, 0.05, 0.05, 0.001, values=np.zeros(4)) == 1.0
-    with pytest.raises(ValueError, match="rows"):
-        never_kept_below(-1, 0.05, 0.05, 0.001)
-    with pytest.raises(ValueError, match="calibration"):
-        never_kept_below(4, 0.05, 0.05, 0.001, calibration=np.array([-1.0, 1.0]))
-
-
 def test_the_random_steps_cut_drafts_that_the_selection_keeps_some_of():
     """The equality properties mean something only where the cut drops tokens from steps that
     keep some: most random steps are of that kind."""
     both = 0
     for seed in range(300):
         p64, lengths, prices, cal, acc, values = _step_of_seed(seed)
-        cut = never_kept_below(lengths.shape[0], *prices, cal, acc.curve(), values)
-        short = _drafted_down_to(p64, lengths, cut)
+        cuts = raw_cutoffs(keep_bounds(lengths.shape[0], *prices, values), cal, acc.curve())
+        short = _drafted_down_to(p64, lengths, cuts)
         kept = choose_drafts(p64.astype(np.float32), *prices, cal, prob_map=acc, values=values, lengths=lengths)
         both += bool(short.sum() < lengths.sum() and kept.sum() > 0)
     assert both >= 75
 
 
 @settings(max_examples=300, deadline=None)
-@given(STEPS, st.floats(1.0, 4.0), st.floats(0.0, 1.0))
-def test_drafts_cut_at_a_guess_keep_the_same_tokens_whenever_the_check_says_so(step, above, anywhere):
-    """A guess above :func:`keep_bound` (the last step's keep threshold, say) cuts more; the
-    selection's ``peak`` then says whether the cut drafts kept what the full ones keep, and
-    when it says so they do (per-row calibration, a learned map, float32 drafts)."""
-    p64, lengths, prices, cal, acc, _ = step
-    bound = keep_bound(lengths.shape[0], *prices)
-    p32 = p64.astype(np.float32)
-    full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths)
-    for theta in (bound * above, anywhere):
-        short = _drafted_down_to(p64, lengths, raw_cutoff(theta, cal, acc.curve()))
-        peak = {}
-        kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
-        if cut_kept_the_same(theta, bound, prices[2], peak):
-            assert kept.tolist() == full.tolist()
-
-
-def test_the_guess_check_passes_often_and_refuses_when_the_cut_lost_kept_tokens():
-    passed = refused_right = lost = 0
-    for seed in range(300):
-        p64, lengths, prices, cal, acc, _ = _step_of_seed(seed)
-        bound = keep_bound(lengths.shape[0], *prices)
-        p32 = p64.astype(np.float32)
-        whole = {}
-        full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths, peak=whole)
-        theta = max(bound, 0.9 * prices[2] * whole["rate"])  # a guess near the keep threshold, as the last step's
-        short = _drafted_down_to(p64, lengths, raw_cutoff(theta, cal, acc.curve()))
-        peak = {}
-        kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
-        ok = cut_kept_the_same(theta, bound, prices[2], peak)
-        passed += ok and short.sum() < lengths.sum() and full.sum() > 0 and theta > bound
-        if kept.tolist() != full.tolist():
-            lost += 1
-            refused_right += not ok
-    assert passed >= 40 and lost > 0 and refused_right == lost
-
-
-@settings(max_examples=300, deadline=None)
 @given(STEPS)
 def test_drafts_cut_per_row_keep_the_same_tokens(step):
     """Each row cut at its own :func:`raw_cutoffs` (its own calibration factor; under the saving
-    rule its own value too) keeps what the full drafts keep, and cuts at least as much as the one
-    cutoff of the largest factor."""
+    rule its own value too) loses only tokens that the selection would have thrown away: the step
+    keeps the same tokens, on every rule, with speculative steps cheaper or dearer than plain
+    ones, and the drafts handed over as float32."""
     p64, lengths, prices, cal, acc, values = step
     rows = lengths.shape[0]
     cuts = raw_cutoffs(keep_bounds(rows, *prices, values), cal, acc.curve())
     assert cuts.shape == (rows,) and np.all((cuts >= 0) & (cuts <= 1))
-    assert np.all(cuts >= never_kept_below(rows, *prices, cal, acc.curve(), values) - 1e-12)
     short = _drafted_down_to(p64, lengths, cuts)
     p32 = p64.astype(np.float32)
     full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
@@ -247,7 +176,6 @@ def test_raw_cutoffs_invert_the_calibration_row_by_row():
     assert cuts[0] > cuts[1] > cuts[2] and cuts[3] == 1.0  # a row that calibrates lower is cut higher; a zero factor: all
     for c, x in zip(cal[:3], cuts[:3]):
         assert acc(np.array([x]))[0] * c == pytest.approx(0.3, rel=1e-4)  # just below theta once calibrated
-    assert raw_cutoff(0.3, cal, acc.curve()) == pytest.approx(cuts[2])  # one cutoff: the largest factor's
     assert raw_cutoffs(np.array([0.0, 1.0, np.inf]), 1.0, acc.curve()).tolist() == [0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="theta"):
         raw_cutoffs(-0.1, cal)

@@ -1,4 +1,4 @@
-"""The step price with a knee (scheduler.knee_cost): the line where steps are compute-bound, a flat
+"""The step price with a knee (scheduler.step_price): the line where steps are compute-bound, a flat
 region below a knee where they are memory-bound, on synthetic step times of both shapes."""
 
 from __future__ import annotations
@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.draft_selection import choose_drafts
-from scheduler.knee_cost import KNEES, MIN_STEPS, KneeCost
-from scheduler.regime_cost import TwoRegimeCost
+from scheduler.priced_budgets import choose_drafts
+from scheduler.step_price import KNEES, MIN_STEPS, StepPrice, TwoRegimeCost
 
 # A compute-bound CPU: median step seconds by tokens verified (rows + draft tokens) from a step
 # log of a 2-core AVX2 CPU (issue 51), linear between the points and above the last.
@@ -67,7 +66,7 @@ def test_compute_bound_steps_keep_the_lines_price_and_its_kept_drafts():
             choose_drafts(probs[:rows], *b.as_tuple(), lengths=np.full(rows, 16)).tolist()
         checked[0] += 1
 
-    class Both(KneeCost):
+    class Both(StepPrice):
         def observe(self, rows, drafts, seconds, context=0.0):
             line.observe(rows, drafts, seconds)
             super().observe(rows, drafts, seconds, context)
@@ -77,7 +76,7 @@ def test_compute_bound_steps_keep_the_lines_price_and_its_kept_drafts():
 
 
 def test_memory_bound_steps_find_the_knee_and_price_drafts_below_it_free():
-    model = feed(KneeCost(refit_every=4), hinge_seconds, 800, np.random.default_rng(0))
+    model = feed(StepPrice(refit_every=4), hinge_seconds, 800, np.random.default_rng(0))
     assert model.knee == pytest.approx(300.0, rel=0.1)
     c = model.coefficients()
     assert c["c_draft"] == pytest.approx(2.4e-5, rel=0.15) and c["c_row"] == pytest.approx(2.6e-4, rel=0.15)
@@ -93,7 +92,7 @@ def test_memory_bound_steps_find_the_knee_and_price_drafts_below_it_free():
 def test_a_roofline_knee_is_found_within_a_fifth_of_the_truth():
     """Where the knee moves with the rows (the KV read grows with them), the fit lands within 20%
     of the knee at the rows' mean, and prices tail steps' drafts at nothing."""
-    model = feed(KneeCost(refit_every=4), roofline_seconds, 1200, np.random.default_rng(1))
+    model = feed(StepPrice(refit_every=4), roofline_seconds, 1200, np.random.default_rng(1))
     truth = (6e-3 + 5e-5 * 32) / 2.4e-5
     assert model.knee == pytest.approx(truth, rel=0.2)
     assert model.price(2).free_drafts > 200  # the truth at 2 rows: 254 tokens verified
@@ -108,7 +107,7 @@ def test_the_simulated_gpus_knee_is_found_and_its_kv_read_priced():
 
     roof = h100_7b_roofline()
     rng = np.random.default_rng(6)
-    model = KneeCost(refit_every=4)
+    model = StepPrice(refit_every=4)
     for _ in range(1500):
         rows, ctx = int(rng.integers(1, 129)), float(rng.uniform(1024, 8192))
         drafts = int(rng.integers(1, 8 * rows + 1)) if rng.random() < 0.6 else 0
@@ -125,7 +124,7 @@ def test_a_knee_stays_through_a_tail_below_it_and_leaves_when_drafts_cost():
     knees apart, the larger one is kept); steps that show drafts costing from the first token (a
     compute-bound engine) bring back the line."""
     rng = np.random.default_rng(2)
-    model = feed(KneeCost(refit_every=4), hinge_seconds, 800, rng)
+    model = feed(StepPrice(refit_every=4), hinge_seconds, 800, rng)
     knee = model.knee
     assert knee == pytest.approx(300.0, rel=0.1)
     feed(model, hinge_seconds, 1500, rng, max_rows=4, max_per_row=16)  # thousands of tail steps, all below the knee
@@ -140,7 +139,7 @@ def test_many_steps_at_once_give_the_sums_of_one_at_a_time():
     rows = rng.integers(1, 64, 300)
     drafts = rng.integers(0, 600, 300) * (rng.random(300) < 0.6)
     seconds = np.array([roofline_seconds(b, d) for b, d in zip(rows, drafts)]) * np.exp(0.03 * rng.standard_normal(300))
-    one, many = KneeCost(refit_every=4), KneeCost(refit_every=4)
+    one, many = StepPrice(refit_every=4), StepPrice(refit_every=4)
     for b, d, t in zip(rows, drafts, seconds):
         one.observe(int(b), int(d), float(t))
     for lo in range(0, 300, 16):
@@ -170,7 +169,7 @@ def linear_steps(draw):
 def test_a_knee_never_appears_on_linear_steps_within_their_noise(case):
     seconds, noise, max_rows, max_per_row, seed = case
     knees = []
-    feed(KneeCost(refit_every=4), seconds, 400, np.random.default_rng(seed), max_rows=max_rows, max_per_row=max_per_row, noise=noise,
+    feed(StepPrice(refit_every=4), seconds, 400, np.random.default_rng(seed), max_rows=max_rows, max_per_row=max_per_row, noise=noise,
          each=lambda m, rows: knees.append(m.knee) if m.ready else None)
     assert not any(knees)
 
@@ -183,7 +182,7 @@ def test_the_price_is_never_negative(seed, shape, rows):
     rng = np.random.default_rng(seed)
     seconds = {"cpu": cpu_seconds, "hinge": hinge_seconds, "roofline": roofline_seconds,
                "wild": lambda b, d: float(rng.uniform(1e-4, 0.5))}[shape]
-    model = feed(KneeCost(refit_every=1), seconds, 300, rng, noise=0.3)
+    model = feed(StepPrice(refit_every=1), seconds, 300, rng, noise=0.3)
     if not model.ready:
         return
     p = model.price(rows)
@@ -194,17 +193,17 @@ def test_the_price_is_never_negative(seed, shape, rows):
 
 
 def test_no_knee_before_enough_steps_and_bad_arguments_are_named():
-    model = KneeCost()
+    model = StepPrice()
     feed(model, hinge_seconds, int(MIN_STEPS) - 2, np.random.default_rng(5))
     assert model.knee == 0.0  # too few steps to accept a knee
     assert KNEES[0] == 4.0 and KNEES[-1] == pytest.approx(8192.0)
     with pytest.raises(ValueError, match="knees"):
-        KneeCost(knees=np.array([8.0, 4.0]))
+        StepPrice(knees=np.array([8.0, 4.0]))
     with pytest.raises(ValueError, match="margin"):
-        KneeCost(margin=1.0)
+        StepPrice(margin=1.0)
     with pytest.raises(ValueError, match="rows"):
         model.observe(0, 1, 0.01)
     with pytest.raises(ValueError, match="one 1-D shape"):
         model.observe_steps([1, 2], [0], [0.01, 0.02])
     with pytest.raises(RuntimeError, match="not fitted"):
-        KneeCost().price(4)
+        StepPrice().price(4)

@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.draft_selection import choose_drafts, drafting_can_pay
-from scheduler.makespan import last_finish_probability, token_values
+from scheduler.priced_budgets import choose_drafts, drafting_can_pay, last_finish_probability, token_values
 
 
 def test_rows_the_model_cannot_tell_apart_share_equally():

@@ -1,10 +1,10 @@
-"""Two-regime step cost (scheduler.regime_cost) and the draft choice that uses it (scheduler.draft_selection)."""
+"""Two-regime step cost (scheduler.step_price) and the draft choice that uses it (scheduler.priced_budgets)."""
 
 import numpy as np
 import pytest
 
-from scheduler.draft_selection import choose_drafts, drafting_can_pay
-from scheduler.regime_cost import TwoRegimeCost
+from scheduler.priced_budgets import choose_drafts, drafting_can_pay
+from scheduler.step_price import TwoRegimeCost
 
 
 def _steps(model, rng, n, c_base=0.015, c_row=0.0008, c_draft=0.001, c_spec=0.004, noise=0.0):
@@ -90,7 +90,7 @@ def test_the_one_solve_shortcut_gives_the_exhaustive_subset_fit():
     # The last fit's support, tried first and kept when it meets the KKT conditions, and the
     # unconstrained solve are shortcuts. Steps whose true costs are non-negative (shortcut taken) and ones with a negative slope in the
     # data (a subset must win): the fit is the exhaustive search's either way.
-    from scheduler.regime_cost import best_subset_fit
+    from scheduler.step_price import best_subset_fit
 
     rng = np.random.default_rng(7)
     shortcuts = 0

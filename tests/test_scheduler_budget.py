@@ -1,22 +1,13 @@
-"""Acceptance model (Eq. 3-4), Eq. 7 / Eq. 9 plans, step rule, class caps, the scheduler facade."""
+"""Acceptance model (Eq. 3-4), Eq. 7 / Eq. 9 plans, step rule, class caps."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from scheduler import (
-    ClassBudget,
-    CostModel,
-    Eq7Solver,
-    SpeculationScheduler,
-    estimate_acceptance,
-    forward_passes,
-    optimal_proposals,
-    solve_n_fwd,
-    tokens_per_step,
-)
-from scheduler.eq7 import step_saves_time
+from scheduler.acceptance import estimate_acceptance, forward_passes, tokens_per_step
+from scheduler.drain_plan import CostModel, DrainPlanSolver, optimal_proposals, solve_n_fwd, step_saves_time
+from scheduler.length_classes import ClassBudget
 
 C_BASE, C_TOK = 6.3e-3, 23.8e-6
 
@@ -83,10 +74,10 @@ def test_more_expensive_tokens_mean_less_speculation():
 
 
 def test_eq7_solver_caps_units_and_unready_cost_model():
-    b = Eq7Solver(CostModel(), max_draft=8)
+    b = DrainPlanSolver(CostModel(), max_draft=8)
     r = np.array([100.0, 15000.0])
     assert b.caps(r, np.full(2, 0.6), np.ones(2)).tolist() == [0, 0]  # not fitted: no speculation
-    b = Eq7Solver(CostModel(prior=(C_BASE, C_TOK)), max_draft=8, seed=None)
+    b = DrainPlanSolver(CostModel(prior=(C_BASE, C_TOK)), max_draft=8, seed=None)
     caps = b.caps(r, np.full(2, 0.6), np.ones(2))
     assert caps.dtype == np.int32 and caps[0] == 0 and 0 < caps[1] <= 8
     assert b.last_plan.n_fwd < 15000
@@ -98,7 +89,7 @@ def test_eq7_solver_caps_units_and_unready_cost_model():
 
 def test_per_request_cost_makes_non_critical_requests_draft_at_their_cheapest_rate():
     cm = CostModel(prior=(C_BASE, C_TOK))
-    b = Eq7Solver(cm, max_draft=16, seed=None)
+    b = DrainPlanSolver(cm, max_draft=16, seed=None)
     r = np.array([200.0, 16000.0])
     k, a = np.full(2, 0.6), np.ones(2)
     assert b.caps(r, k, a)[0] == 0
@@ -120,18 +111,18 @@ def test_step_rule():
 
 
 def test_eq7_applies_the_step_rule(monkeypatch):
-    import scheduler.eq7 as eq7
+    import scheduler.drain_plan as drain_plan
 
     cm = CostModel(prior=(C_BASE, C_TOK))
     r, k, a = np.array([100.0, 16000.0]), np.full(2, 0.6), np.ones(2)
-    assert Eq7Solver(cm, seed=None).caps(r, k, a)[1] > 0
-    monkeypatch.setattr(eq7, "step_saves_time", lambda *args, **kw: False)
-    plan = Eq7Solver(cm, seed=None).solve(r, k, a)
+    assert DrainPlanSolver(cm, seed=None).caps(r, k, a)[1] > 0
+    monkeypatch.setattr(drain_plan, "step_saves_time", lambda *args, **kw: False)
+    plan = DrainPlanSolver(cm, seed=None).solve(r, k, a)
     assert plan.step_rule_fired and plan.caps.tolist() == [0, 0] and plan.rate[1] > 0
-    assert Eq7Solver(cm, seed=None, step_rule=False).caps(r, k, a)[1] > 0
+    assert DrainPlanSolver(cm, seed=None, step_rule=False).caps(r, k, a)[1] > 0
 
 
-# ---------------------------------------------------------------- class budgets and facade
+# ---------------------------------------------------------------- class budgets
 def test_class_budget():
     cb = ClassBudget(long=12, medium=3, short=0)
     assert cb.caps_of([0, 1, 2, 2]).tolist() == [0, 3, 12, 12]
@@ -141,44 +132,3 @@ def test_class_budget():
         ClassBudget(long=-1)
     with pytest.raises(ValueError, match="classes"):
         cb.caps_of([3])
-
-
-def test_speculation_scheduler_budgets(length_history):
-    pred = length_history
-    idx = pred.index(["short0", "long0", "short1", "long1"])
-    g = np.zeros(4)
-    zeros = np.zeros(4)
-    assert SpeculationScheduler("none").caps(idx, g, zeros, zeros, zeros).tolist() == [0] * 4
-    assert SpeculationScheduler("fixed", max_draft=7).caps(idx, g, zeros, zeros, zeros).tolist() == [7] * 4
-    with pytest.raises(ValueError, match="'unlimited' is now called 'fixed'"):
-        SpeculationScheduler("unlimited")
-    with pytest.raises(ValueError, match="'cost' runs only in the proposer and simulator"):
-        SpeculationScheduler("cost")
-    cls = SpeculationScheduler("class", predictor=pred).caps(idx, g, zeros, zeros, zeros)
-    assert cls.tolist() == [0, 16, 0, 16]
-    eq7 = SpeculationScheduler("eq7", predictor=pred, cost=CostModel(prior=(C_BASE, C_TOK)), seed=None)
-    caps = eq7.caps(idx, g, zeros, zeros, zeros)
-    assert caps[0] == caps[2] == 0 and caps[1] > 0 and caps[3] > 0
-    unfitted = SpeculationScheduler("eq7", predictor=pred)
-    assert unfitted.caps(idx, g, zeros, zeros, zeros).tolist() == [0] * 4
-    n = np.arange(1, 100)
-    unfitted.observe_step(n, C_BASE + C_TOK * n)
-    assert unfitted.caps(idx, g, zeros, zeros, zeros)[1] > 0
-    with pytest.raises(ValueError, match="unknown budget 'fast'"):
-        SpeculationScheduler("fast")
-    with pytest.raises(ValueError, match="LengthPredictor"):
-        SpeculationScheduler("class")
-
-
-def test_static_budgets_per_problem(length_history):
-    from scheduler import static_budgets
-
-    pred = length_history
-    ids = ["short0", "long0", "unseen"]
-    assert static_budgets(ids, pred, "class").tolist()[:2] == [0, 16]
-    assert static_budgets(ids, pred, "none").tolist() == [0, 0, 0]
-    assert static_budgets(ids, pred, "eq7").tolist() == [0, 0, 0]  # no fitted cost model
-    b = static_budgets(ids, pred, "eq7", cost=CostModel(prior=(C_BASE, C_TOK)), samples_per_problem=16)
-    assert b[0] == 0 and b[1] > 0 and b.dtype == np.int32
-    with pytest.raises(ValueError, match="samples_per_problem"):
-        static_budgets(ids, pred, "eq7", samples_per_problem=0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler import CostModel
+from scheduler.drain_plan import CostModel
 
 C_BASE, C_TOK, C_CTX = 6.3e-3, 23.8e-6, 21.4e-9
 

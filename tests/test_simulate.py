@@ -95,7 +95,7 @@ def test_kv_unaware_drafts_preempt():
 
 
 def test_ci95_and_class_budgets():
-    from scheduler.class_budgets import class_budgets
+    from scheduler.length_classes import class_budgets
 
     m, h = ci95([1.0, 2.0, 3.0])
     assert m == 2.0 and h == pytest.approx(4.303 / math.sqrt(3))

@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-# The DAS proposer's cumulative counters (``integrations.vllm_ext.proposer.ProposerStats``): a
-# batch reports how much each grew during it; every other snapshot entry is reported as it stands.
-PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "recut_steps", "rows", "drafts", "draft_tokens", "failures",
-                     "bad_requests", "propose_s")
+# The DAS proposer's cumulative counters (``scheduler.planner.StepStats``): a batch reports how
+# much each grew during it; every other snapshot entry is reported as it stands.
+PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "rows", "drafts", "draft_tokens", "failures", "bad_requests",
+                     "propose_s")
 
 _ids = itertools.count()  # request ids on vLLM versions without ``LLM.enqueue``
 
