@@ -80,6 +80,8 @@ def range_text(key: str) -> str:
             return words
     if type_name(field.annotation).startswith("bool"):
         return "true, false" + (", null" if "null" in type_name(field.annotation) else "")
+    if type_name(field.annotation).startswith("str"):
+        return "a file path" + (", or null" if "null" in type_name(field.annotation) else "")
     lo = hi = None
     for m in field.metadata:
         if isinstance(m, at.Ge):
@@ -140,8 +142,8 @@ ENVIRONMENT = (
     ("DAS_CACHE_DIR", "where converted models, rollout traces and the CPU calibration are cached (default `~/.cache/das`)"),
     ("DAS_DATA_DIR", "the directory of the shared data files (`dsr_sub.parquet`, `math500.parquet`, `leetcode_train.json`; "
                      "default `../shared/data` from the repository root)"),
-    ("DAS_STEP_LOG", "a JSON-lines file: one line per clean decode step (rows, draft tokens, accepted tokens, seconds, the "
-                     "fitted step prices)"),
+    ("DAS_STEP_LOG", "the step log's path when the engine is built by `make_llm` (`das-rollout`, the GRPO loop) and the "
+                     "settings give no `step_log`"),
     ("DAS_IOMP", "`1` or `0`: preload Intel's OpenMP runtime or not, instead of deciding from the CPU"),
 )
 

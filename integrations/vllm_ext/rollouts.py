@@ -195,7 +195,8 @@ def generate_rollouts(
 
     from integrations.vllm_ext import control
     from integrations.vllm_ext.engine import spec_counters
-    from integrations.vllm_ext.patches.coupled_sampling import KEY_ARG, enable, rollout_key
+    from integrations.vllm_ext.patches import enable_coupled_sampling
+    from integrations.vllm_ext.patches.coupled_sampling import KEY_ARG, rollout_key
 
     counts = [int(samples)] * len(prompts) if np.ndim(samples) == 0 else [int(s) for s in samples]
     for name, seq in (("problem_ids", problem_ids), ("samples", counts), ("draft_caps", draft_caps)):
@@ -204,7 +205,7 @@ def generate_rollouts(
     if any(n < 0 for n in counts):
         raise ValueError(f"samples must be >= 0, got {counts}")
     if coupled:
-        enable(llm)
+        enable_coupled_sampling(llm)
     reqs, params, slots = [], [], []
     for i, (p, pid) in enumerate(zip(prompts, problem_ids)):
         extra: dict[str, Any] = {"das_problem_id": str(pid)}
