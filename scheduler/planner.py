@@ -369,13 +369,15 @@ class StepPlanner:
         return self.regimes.price(rows)
 
     # ------------------------------------------------------------------ deciding
-    def plan(self, step: StepView, floor: float = 0.0) -> StepPlan:
+    def plan(self, step: StepView, floor: float = 0.0, price: LinearPrice | None = None) -> StepPlan:
         """This step's plan: each row's draft cap and where its draft may stop.
 
         Args:
             step: the :class:`StepView` (the planner limits its caps by the tail rule and, for a
                 priced budget, sets its price, calibration and probability map).
             floor: the drafter's own cutoff (its ``min_token_prob``): a cut never goes below it.
+            price: the step's price where the host knows it (the simulator's roofline ablation),
+                instead of the given or fitted one (:meth:`price`).
 
         Returns:
             :class:`StepPlan` for one drafter call; then :meth:`keep` with its drafts.
@@ -387,7 +389,7 @@ class StepPlanner:
         caps = budget.plan(step)
         min_prob = None
         if self.priced:
-            step.price = self.price(step.rows)
+            step.price = price if price is not None else self.price(step.rows)
             step.calibration = self.row_calibration(step)
             step.prob_map = self.acceptance
             if not self._allows_drafts(step, caps):
