@@ -114,7 +114,7 @@ class SimBudget:
 
     @property
     def replan_on_events(self) -> bool:
-        return bool(getattr(self.budget, "replan_at_events", False))  # a gated class-eq9 opens at a finish
+        return bool(self.budget.replan_at_events)  # a gated class-eq9 opens at a finish
 
     def plan(self, gpu, rows: np.ndarray) -> None:
         """Caps and priority of ``rows`` (the GPU's running rows; all its members for a static budget)."""

@@ -249,6 +249,12 @@ class Budget:
             order = np.arange(step.rows)
         return np.floor(allot_in_order(drafts.lengths.astype(np.float64), order, step.live, float(quota))).astype(np.int64)
 
+    @property
+    def replan_at_events(self) -> bool:
+        """Whether the budget holds every draft back until an event (a request finishing or
+        starting) may change that: a host that plans every few steps plans again at the next event."""
+        return False
+
     def priority(self, step: StepView) -> np.ndarray | None:
         """Rows (int64 indices into the step) in the order that a quota or a scarce KV cache
         serves them, highest first; None: the host's order."""

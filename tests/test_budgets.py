@@ -221,3 +221,16 @@ def test_request_caps_give_no_cap_before_history_then_the_class_cap():
     assert RequestCaps("fixed", max_tokens=100, max_draft=6).budget.request_caps(None, np.arange(2)).tolist() == [6, 6]
     with pytest.raises(ValueError, match="'cost' runs only in the proposer and simulator"):
         RequestCaps("cost", max_tokens=100, max_draft=6)
+
+
+def test_hosts_outside_the_scheduler_call_only_what_the_budget_protocol_declares():
+    """The simulator's and the proposer's budget objects are reached only through the names that
+    :class:`Budget` and :class:`PricedBudget` declare (no method a single budget class adds)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    declared = set(dir(PricedBudget))
+    for rel, least in (("benchmarks/sim_budget.py", 5), ("integrations/vllm_ext/proposer.py", 0)):  # the proposer reaches it through the planner
+        used = set(re.findall(r"\bbudget\.([A-Za-z_]\w*)", (root / rel).read_text()))
+        assert len(used) >= least and used <= declared, (rel, sorted(used - declared))
