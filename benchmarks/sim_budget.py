@@ -14,7 +14,7 @@ spend them: ``spec_on`` (the drafter runs; its CPU time is charged), ``kv_aware`
 force a preemption), ``quota_mode`` / ``quota`` (draft tokens per step: 0 unlimited, 1 fixed, 2
 the roofline knee, from the budget's ``quota``) and ``gate`` (no drafts while more rows run; -1:
 none). A plan holds for the steps until the next re-plan (``replan_every``), where the product
-plans every step.
+plans every step; a plain step that keeps the price measured holds for one step (``one_step``).
 
 Where the product measures, the simulator stands in with its models:
 
@@ -93,6 +93,7 @@ class SimBudget:
         self.cost = cost
         self.dynamic = not budget.static
         self.spec_on = budget.drafts
+        self.one_step = False  # the plan holds for one step only (the planner's plain step)
         self.kv_aware = kv_aware
         self.quota_mode = QUOTA_MODES[budget.quota]
         self.quota = float(budget.quota_tokens)
@@ -125,6 +126,7 @@ class SimBudget:
             r.steps[rows], context=r.prompt[rows] + r.gen[rows]))
         plan = self.planner.plan(step, price=self.roofline_price(gpu, rows) if self.priced and self.price == "roofline" else None)
         caps = plan.caps
+        self.one_step = plan.plain
         if self.priced:  # the drafter runs once, at the plan; the planner keeps what the steps verify
             self.spec_on = bool(caps.any())
             caps = self.planner.keep(step, self.candidates(gpu, rows, caps, plan.min_prob))

@@ -411,7 +411,7 @@ class Gpu:
                 self.events = False
             if self.off >= self.rec["t"].size:
                 self._grow()
-            max_steps = max(p.replan_every - self.since_plan, 1) if pol.dynamic else 1 << 40
+            max_steps = (1 if pol.one_step else max(p.replan_every - self.since_plan, 1)) if pol.dynamic else 1 << 40
             s, t = _run_steps(
                 self.mem, r.length, r.prompt, r.loop_at, r.group, r.gen, r.status, r.stamp, r.wait_key, r.caps, self.order, r.tau_tab, r.tau_loop, r.nat_draft,
                 r.drafted, r.accepted, r.steps, r.finish, self.grp_done, self.stats_pos, self.stats_sib,
@@ -430,6 +430,8 @@ class Gpu:
                 pol.observe(self, {k: v[o : o + s] for k, v in self.rec.items()})
                 self.off += s
                 self.since_plan += s
+                if pol.one_step:  # the planner's plain step: plan again after it
+                    self.since_plan = p.replan_every
                 # an event (finish / admission / preemption) ends a call early: re-plan
                 if s < max_steps and self.t < t_stop and not self.done:
                     self.events = True

@@ -174,10 +174,13 @@ class StepPlan(NamedTuple):
         caps: int64 ``[rows]``: each row's most draft tokens (0: no draft).
         min_prob: float64 ``[rows]``: each row's draft stops below this raw path probability;
             None: at the drafter's own cutoff.
+        plain: True for a plain step that keeps the plain price measured (a host that holds a
+            plan for several steps holds this one for one step only).
     """
 
     caps: np.ndarray
     min_prob: np.ndarray | None
+    plain: bool = False
 
 
 def likeliest_rows(probs: np.ndarray, lengths: np.ndarray, per_row: int, total: int) -> np.ndarray:
@@ -242,6 +245,7 @@ class StepPlanner:
         self.paid = 1.0  # EMA of drafting steps' measured tokens per second / the fitted plain step's (forced plain steps)
         self._plans = 0  # keep() calls: warm-up alternates plain and drafting steps by their parity
         self._exploring = False  # this step drafts only to re-measure acceptance
+        self._plain = False  # this step is plain to keep the plain price measured
         self._skipped_run = 0  # steps ruled out since the last one that drafted
         # Measured steps since the last plain one: when every step drafts, the fit cannot tell a
         # speculative step's own fixed cost from the base cost, and prices plain steps too high.
@@ -388,6 +392,7 @@ class StepPlanner:
             step.caps = self.tail.limit(step.caps)
         caps = budget.plan(step)
         min_prob = None
+        self._plain = False
         if self.priced:
             step.price = price if price is not None else self.price(step.rows)
             step.calibration = self.row_calibration(step)
@@ -397,7 +402,7 @@ class StepPlanner:
                 self._skipped_run += 1
                 caps[:] = 0  # drafting cannot pay this step: skip the drafter's lookups too
             min_prob = self._cutoff(step) if caps.any() else None
-        return StepPlan(caps, min_prob)
+        return StepPlan(caps, min_prob, self._plain)
 
     def keep(self, step: StepView, drafts: Drafts) -> np.ndarray:
         """int64 ``[rows]``: the leading draft tokens of each row of ``drafts`` (the drafter's
@@ -417,6 +422,7 @@ class StepPlanner:
             return False
         price = step.price
         if price is not None and self.given_costs is None and self._since_plain >= PLAIN_EVERY and self.paid < PLAIN_PAYOFF:
+            self._plain = True
             return False  # a plain step now and then keeps the plain regime's price measured (given prices need none)
         if price is not None and self._skipped_run >= 32:
             self._skipped_run = 0

@@ -89,10 +89,11 @@ def test_given_prices_price_every_step_and_never_force_a_plain_one():
         clock.step(0.1 + 0.0001 * 8, 8, 8)
     assert fitted.regimes.ready
     for planner in (given, fitted):
+        assert planner.plan(StepView(np.full(8, 4))).plain == (planner is fitted)  # the plan says it is the plain step
         drafter = Drafter(np.full((8, 4), 0.95))
         kept = run_step(planner, StepView(np.full(8, 4)), drafter)[1]
         assert (kept.sum() > 0) == (planner is given), planner.given_costs
-    assert fitted.stats.skipped_steps == 1 and given.stats.fitted_steps == 1
+    assert fitted.stats.skipped_steps == 2 and given.stats.fitted_steps == 1
 
 
 def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimates():
