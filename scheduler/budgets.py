@@ -32,7 +32,7 @@ import numpy as np
 
 from scheduler.budget_protocol import Budget, BudgetSetting, StepView
 from scheduler.drain_plan import DrainPlanBudget
-from scheduler.length_classes import ClassBudget, ClassEq9Budget, ClassRooflineBudget
+from scheduler.length_classes import ClassBudget, ClassRooflineBudget, PublishedClassBudget
 from scheduler.predictor import LengthPredictor
 from scheduler.priced_budgets import CostBudget, MakespanBudget
 
@@ -80,7 +80,7 @@ class FixedBudget(Budget):
 
 
 BUDGETS: dict[str, type[Budget]] = {c.name: c for c in (
-    NoneBudget, FixedBudget, CostBudget, MakespanBudget, ClassBudget, ClassEq9Budget, ClassRooflineBudget, DrainPlanBudget)}
+    NoneBudget, FixedBudget, CostBudget, MakespanBudget, ClassBudget, PublishedClassBudget, ClassRooflineBudget, DrainPlanBudget)}
 
 # Former names: refused with an error that names the new one.
 RENAMED: dict[str, str] = {"unlimited": "fixed", "das": "class-eq9", "das-roofline": "class-roofline"}

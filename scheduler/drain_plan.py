@@ -460,7 +460,7 @@ class DrainPlanSolver:
 
     def __init__(self, cost: CostModel, *, max_draft: int = 16, form: str = "exact", step_rule: bool = True, seed: int | None = 0):
         if not isinstance(cost, CostModel):
-            raise ValueError(f"cost must be a scheduler.cost_model.CostModel, got {type(cost).__name__}")
+            raise ValueError(f"cost must be a scheduler.drain_plan.CostModel, got {type(cost).__name__}")
         if form not in ("exact", "paper"):
             raise ValueError(f"form must be 'exact' or 'paper', got {form!r}")
         self.cost = cost

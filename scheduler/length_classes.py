@@ -5,7 +5,7 @@ the request's length so far). Three budgets (:mod:`scheduler.budget_protocol`):
 
 * :class:`ClassBudget` (``class``): a fixed table of draft tokens per class (Long 16, Medium 4,
   Short 0, each capped at K), optionally gated by the batch size.
-* :class:`ClassEq9Budget` (``class-eq9``): DAS's deployed class policy as published: the class
+* :class:`PublishedClassBudget` (``class-eq9``): DAS's deployed class policy as published: the class
   budgets from Eq. 7 with ``N_fwd`` from Eq. 9 (:func:`class_budgets`: every request of a class
   planned at the class's mean predicted remaining length and mean estimated acceptance; Eq. 1
   constants fitted offline, as the paper fits them), a quota of :data:`DAS_QUOTA` draft tokens per
@@ -31,7 +31,7 @@ from scheduler.budget_protocol import Budget, BudgetSetting, StepView
 from scheduler.drain_plan import optimal_proposals, solve_n_fwd
 from scheduler.predictor import LONG, MEDIUM, SHORT, LengthPredictor
 
-__all__ = ["DAS_GATE", "DAS_QUOTA", "ClassBudget", "ClassEq9Budget", "ClassRooflineBudget", "class_budgets"]
+__all__ = ["DAS_GATE", "DAS_QUOTA", "ClassBudget", "PublishedClassBudget", "ClassRooflineBudget", "class_budgets"]
 
 DAS_QUOTA = 160  # draft tokens per engine step (the authors' public fork)
 DAS_GATE = 64  # draft only with at most this many running requests (the same fork)
@@ -148,7 +148,7 @@ def class_budgets(cls, remaining, k, a, c_base: float, c_tok: float, max_draft: 
     return out
 
 
-class ClassEq9Budget(Budget):
+class PublishedClassBudget(Budget):
     """``class-eq9``: DAS's deployed class policy as published (module doc).
 
     Args:
@@ -175,7 +175,7 @@ class ClassEq9Budget(Budget):
         self.gated = False
 
     @classmethod
-    def from_setting(cls, setting: BudgetSetting) -> ClassEq9Budget:
+    def from_setting(cls, setting: BudgetSetting) -> PublishedClassBudget:
         """K and the offline Eq. 1 constants (``offline_cost``).
 
         Raises:

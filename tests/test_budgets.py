@@ -11,7 +11,7 @@ from scheduler import budgets
 from scheduler.budget_protocol import Budget, BudgetSetting, Drafts, PricedBudget, RowFacts, StepView, allot_in_order
 from scheduler.budgets import FixedBudget, NoneBudget, RequestCaps, make_budget
 from scheduler.drain_plan import CostModel, DrainPlanBudget
-from scheduler.length_classes import DAS_GATE, DAS_QUOTA, ClassBudget, ClassEq9Budget, ClassRooflineBudget
+from scheduler.length_classes import DAS_GATE, DAS_QUOTA, ClassBudget, ClassRooflineBudget, PublishedClassBudget
 from scheduler.priced_budgets import CostBudget, MakespanBudget, choose_drafts, keep_bound
 from scheduler.step_price import LinearPrice
 
@@ -99,13 +99,13 @@ def test_eq7_budget_waits_for_its_cost_model_or_drafts_freely_while_unfitted(len
 
 def test_class_eq9_gates_large_batches_and_spends_its_quota_long_first(length_history):
     pred = length_history
-    b = ClassEq9Budget(16, C_BASE, C_TOK)
+    b = PublishedClassBudget(16, C_BASE, C_TOK)
     big = _view(pred, ["long0"] * (DAS_GATE + 1), np.zeros(DAS_GATE + 1))
     assert b.plan(big).sum() == 0 and b.replan_at_events
     small = _view(pred, ["short0", "long0", "long1"], [0.0, 0.0, 0.0])
     caps = b.plan(small)
     assert not b.replan_at_events and caps[0] == 0 and caps[1] > 0 and b.last_budgets[2] == caps[1]
-    quota = ClassEq9Budget(16, C_BASE, C_TOK, quota_tokens=5)
+    quota = PublishedClassBudget(16, C_BASE, C_TOK, quota_tokens=5)
     kept = quota.keep(small, Drafts(np.ones((3, 4)), np.array([4, 4, 4])))
     assert kept.sum() == 5 and kept[0] == 0  # the quota goes to the Long rows
 
