@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.sim_workload import LengthModel
-from scheduler import CLASS_NAMES, evaluate_predictor
+from scheduler.predictor import CLASS_NAMES, evaluate_predictor
 
 
 def synthetic_rollouts(n_problems: int = 256, n_samples: int = 8, versions: int = 6, revisit: float = 0.5, max_tokens: int = 16384, seed: int = 0):

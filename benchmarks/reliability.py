@@ -8,7 +8,7 @@ fraction of them the policy accepted (y), from
   probabilities, and the online-calibrated ones the ``cost`` budget would have priced
   (``calibrated_prob``) where the report has them;
 * a das-rollout report (``das-rollout --json``): the proposer's own reliability bins
-  (``methods.das.iterations[-1].proposer.reliability``, :class:`scheduler.calibration.AcceptanceCalibration`),
+  (``methods.das.iterations[-1].proposer.reliability``, :class:`scheduler.acceptance.AcceptanceCalibration`),
   learned from the engine's accept / reject outcomes (exponentially forgotten, so they describe
   the last ~1,000 drafting steps).
 

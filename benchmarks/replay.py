@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.replay_drafters import heap_bytes, make_adapter
-from scheduler.calibration import AcceptanceCalibration
+from scheduler.acceptance import AcceptanceCalibration
 
 DEFAULT_K = 16
 DRAFTERS = ("das", "arctic_suffix", "ngram")

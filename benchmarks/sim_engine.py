@@ -15,10 +15,8 @@ between re-plans keeps cap 0 until the next one.
 1. Every running request needs one KV slot for the token it samples; while they do not fit, the
    most recently admitted request is preempted (recompute: its KV is dropped, it goes to the front
    of the waiting queue and is prefilled again, prompt + generated tokens, when re-admitted).
-2. Drafts: a budget caps each running row at ``caps[i]`` tokens; a budget with ``plain_every``
-   ``n > 0`` (a priced one, whose online price must keep seeing plain steps, as the product's
-   planner forces one after :data:`scheduler.planner.PLAIN_EVERY` drafting steps unless drafting
-   pays clearly) drafts nothing in every ``n``-th step. A batch gate (no drafts while
+2. Drafts: a budget caps each running row at ``caps[i]`` tokens (a priced budget's caps are the
+   product's :class:`scheduler.planner.StepPlanner`'s kept drafts at the re-plan). A batch gate (no drafts while
    more than ``gate`` rows run) and a per-step quota (``quota_mode`` 1: a fixed number of draft
    tokens; 2: the roofline knee, :meth:`Roofline.free_draft_tokens`) are spent in the budget's
    priority order. KV-aware (``kv_aware``): the step's drafts also fit in the free KV slots, so no
@@ -82,9 +80,9 @@ def _run_steps(
     mem, length, prompt, loop_at, grp, gen, status, stamp, wait_key, caps, order, tau_tab, tau_loop, nat_draft,
     drafted, accepted, steps, finish, grp_done, stats_pos, stats_sib,
     t0, t_stop, max_steps, kv_cap, max_seqs, watermark,
-    launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, drafter_s_row, spec_on, plain_every,
+    launch, w_bytes, kv_b, f_tok, f_attn, bw, flops, drafter_s_row, spec_on,
     kv_aware, quota_mode, quota_fixed, gate, max_tokens, additive,
-    counters, rec_t, rec_b, rec_n, rec_ctx, rec_dt, rec_d, rec_pre, rec_off,
+    counters, rec_t, rec_b, rec_n, rec_ctx, rec_dt, rec_d, rec_pre, rec_a, rec_off,
 ):  # fmt: skip
     n = length.size
     n_sib = tau_tab.shape[1]
@@ -128,7 +126,7 @@ def _run_steps(
             break
         # 2. drafts: a row wants min(cap, what the drafter proposes: nat_draft outside a loop, K in it)
         ndraft = 0.0
-        drafting = spec_on and (plain_every <= 0 or (rec_off + s) % plain_every != plain_every - 1)
+        drafting = spec_on
         if drafting and nrun > 0 and (gate < 0 or nrun <= gate):
             budget = 1e18
             if quota_mode == 1:
@@ -214,6 +212,7 @@ def _run_steps(
         if drafting:
             dt += drafter_s_row * nrun
         # 5. advance
+        step_acc = 0.0
         for j in range(mem.size):
             i = mem[j]
             run_mask[i] = False
@@ -252,7 +251,9 @@ def _run_steps(
                 event = True
             gen[i] += adv
             drafted[i] += d
-            accepted[i] += max(min(adv - 1.0, d), 0.0)
+            acc = max(min(adv - 1.0, d), 0.0)
+            accepted[i] += acc
+            step_acc += acc
             steps[i] += 1
         for j in range(mem.size):
             i = mem[j]
@@ -267,6 +268,7 @@ def _run_steps(
         rec_dt[rec_off + s] = dt
         rec_d[rec_off + s] = ndraft
         rec_pre[rec_off + s] = prefill
+        rec_a[rec_off + s] = step_acc
         s += 1
         if event:
             break
@@ -281,7 +283,7 @@ class EngineParams:
     max_seqs: int = 1024  # vLLM V1 default on >= 70 GiB GPUs
     watermark: float = 0.01
     max_draft: int = 16  # K, the engine's most draft tokens per row and step (das's default; above batch_draft: a priced budget's tail rows)
-    batch_draft: int = 16  # most draft tokens per row and step before the long tail (scheduler.tail_drafts)
+    batch_draft: int = 16  # most draft tokens per row and step before the long tail (scheduler.planner)
     replan_every: int = 16
     drafter_ms_per_256: float = 1.0  # drafter CPU time per step at 256 rows (linear in rows)
     timing_noise: float = 0.05  # relative noise of the step times a cost model observes
@@ -361,7 +363,7 @@ class Gpu:
         self.stats_pos, self.stats_sib = stats_pos, stats_sib
         self.rng = np.random.default_rng(seed)
         cap = 4096
-        self.rec = {k: np.zeros(cap) for k in ("t", "n", "ctx", "dt", "d", "pre")}  # ... draft tokens, prefill tokens
+        self.rec = {k: np.zeros(cap) for k in ("t", "n", "ctx", "dt", "d", "pre", "a")}  # ... draft tokens, prefill tokens, accepted
         self.rec["b"] = np.zeros(cap, np.int64)
         self.off = 0
         self.since_plan = 1 << 30
@@ -409,15 +411,16 @@ class Gpu:
                 self.events = False
             if self.off >= self.rec["t"].size:
                 self._grow()
-            max_steps = max(p.replan_every - self.since_plan, 1) if pol.dynamic else 1 << 40
+            max_steps = (1 if pol.one_step else max(p.replan_every - self.since_plan, 1)) if pol.dynamic else 1 << 40
             s, t = _run_steps(
                 self.mem, r.length, r.prompt, r.loop_at, r.group, r.gen, r.status, r.stamp, r.wait_key, r.caps, self.order, r.tau_tab, r.tau_loop, r.nat_draft,
                 r.drafted, r.accepted, r.steps, r.finish, self.grp_done, self.stats_pos, self.stats_sib,
                 self.t, t_stop, max_steps, float(roof.kv_capacity_tokens), p.max_seqs, p.watermark,
                 roof.launch_s, roof.weight_bytes, roof.kv_bytes_per_token, roof.flops_per_token, roof.attn_flops_per_pair, roof.bytes_per_s, roof.flops_per_s,
-                p.drafter_ms_per_256 * 1e-3 / 256.0, pol.spec_on, pol.plain_every, pol.kv_aware and p.kv_aware, pol.quota_mode, float(pol.quota), pol.gate,
+                p.drafter_ms_per_256 * 1e-3 / 256.0, pol.spec_on, pol.kv_aware and p.kv_aware, pol.quota_mode, float(pol.quota), pol.gate,
                 float(p.max_tokens), p.additive_cost,
-                self.counters, self.rec["t"], self.rec["b"], self.rec["n"], self.rec["ctx"], self.rec["dt"], self.rec["d"], self.rec["pre"], self.off,
+                self.counters, self.rec["t"], self.rec["b"], self.rec["n"], self.rec["ctx"], self.rec["dt"], self.rec["d"], self.rec["pre"],
+                self.rec["a"], self.off,
             )  # fmt: skip
             if self.counters[2]:
                 raise RuntimeError(f"GPU {self.gid}: a request can never be admitted (KV capacity {roof.kv_capacity_tokens} tokens too small)")
@@ -427,6 +430,8 @@ class Gpu:
                 pol.observe(self, {k: v[o : o + s] for k, v in self.rec.items()})
                 self.off += s
                 self.since_plan += s
+                if pol.one_step:  # the planner's plain step: plan again after it
+                    self.since_plan = p.replan_every
                 # an event (finish / admission / preemption) ends a call early: re-plan
                 if s < max_steps and self.t < t_stop and not self.done:
                     self.events = True

@@ -22,7 +22,8 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.sim_engine import DONE, POS_BINS, RUNNING, WAITING, EngineParams, Gpu, Requests
-from scheduler import LengthPredictor, assign_groups
+from scheduler.placement import assign_groups
+from scheduler.predictor import LengthPredictor
 
 PLACEMENTS = ("none", "lpt", "split", "rebalance")
 

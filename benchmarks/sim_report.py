@@ -11,6 +11,19 @@ import numpy as np
 from benchmarks.sim_budget import BUDGETS
 from benchmarks.sim_placement import PLACEMENTS
 
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # Student t, 97.5%, df 1..30
+
+
+def ci95(x) -> tuple[float, float]:
+    """Mean and half-width of the 95% t-interval (0 for a single value)."""
+    x = np.asarray(x, np.float64)
+    if x.size < 2:
+        return float(x.mean()) if x.size else float("nan"), 0.0
+    df = x.size - 1
+    t = _T975[df - 1] if df <= 30 else 1.96 + 2.4 / df
+    return float(x.mean()), float(t * x.std(ddof=1) / np.sqrt(x.size))
+
 
 def config_name(budget: str, placement: str) -> str:
     """``budget`` at placement none, ``budget+placement`` otherwise (the keys of ``paper_setting``)."""

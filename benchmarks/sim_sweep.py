@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.sim_budget import makesim_budget
+from benchmarks.sim_budget import make_sim_budget
 from benchmarks.sim_engine import EngineParams
 from benchmarks.sim_placement import run_cluster
 from benchmarks.sim_workload import AcceptanceModel, LengthModel, prompt_lengths
@@ -56,7 +56,7 @@ def _estimates(w: dict, gpu_of: np.ndarray, n_gpus: int, params: EngineParams) -
     L = w["lengths"].ravel().astype(np.float64)
     loop = np.minimum(w["loop_at"].ravel(), L)
     am: AcceptanceModel = w["acceptance_model"]
-    from scheduler import tokens_per_step
+    from scheduler.acceptance import tokens_per_step
 
     kk = w["k"].ravel()
     tau_row = tokens_per_step(np.arange(params.max_draft + 1.0)[None, :], kk[:, None], np.minimum(w["a"].ravel(), 1.0 / kk)[:, None])
@@ -85,7 +85,7 @@ def _estimates(w: dict, gpu_of: np.ndarray, n_gpus: int, params: EngineParams) -
 def _sub_work(w: dict, rows: np.ndarray, rng: np.random.Generator) -> dict:
     """The workload dict of ``benchmarks.simulate`` for the requests ``rows`` only (flat indices of
     ``w``), with a predictor fed with synthetic history of their problems."""
-    from benchmarks.simulate import build_predictor
+    from benchmarks.sim_workload import build_predictor
 
     p, s = w["lengths"].shape
     probs = np.unique(rows // s)
@@ -137,7 +137,7 @@ def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am:
         req = fresh()
 
         def factory(g: int, pol=pol):
-            return makesim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g, batch_draft=params.batch_draft)
+            return make_sim_budget(pol, sub["predictor"], params.max_draft, linear, seed=seed * 1009 + g, batch_draft=params.batch_draft)
 
         gpus, _ = run_cluster(req, local_gpu, n_gpus, factory, params, gpu_ids=chosen, seed=seed)
         crit = max(gpus, key=lambda g: g.makespan_s)
@@ -149,7 +149,7 @@ def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am:
 def run_sweep(params: EngineParams, linear: dict, am: AcceptanceModel, *, seeds: int = 3, max_tokens: int = 16384, gpus=SWEEP_GPUS, per_gpu=SWEEP_PER_GPU, plot_path: Path | None = None) -> dict[str, Any]:
     """The whole grid; returns ``{"points": [...], "pruning_check": {...}}`` (means and 95%
     intervals over seeds)."""
-    from benchmarks.simulate import ci95
+    from benchmarks.sim_report import ci95
 
     t0 = time.perf_counter()
     points = []

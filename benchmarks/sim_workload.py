@@ -12,6 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
+from scheduler.predictor import LengthPredictor
+
 # ----------------------------------------------------------------------------- hardware / model
 # DeepSeek-R1-Distill-Qwen-7B = Qwen2.5-Math-7B architecture (its public config.json): 28 layers,
 # hidden 3584, MLP 18944, 28 query heads, 4 KV heads of 128, vocab 152064, untied LM head, bf16.
@@ -330,7 +332,7 @@ class AcceptanceModel:
     def tau_table(self, k, a, group_size: int, max_draft: int) -> np.ndarray:
         """Tokens per step ``[n, group_size, max_draft + 1]`` outside loops: request ``i`` with
         ``c`` finished siblings and ``d`` drafts (Eq. 3-4 per step, :func:`scheduler.tokens_per_step`)."""
-        from scheduler import tokens_per_step
+        from scheduler.acceptance import tokens_per_step
 
         k = np.asarray(k, np.float64).ravel()
         a = np.asarray(a, np.float64).ravel()
@@ -365,3 +367,22 @@ def prompt_lengths(n: int, rng: np.random.Generator, data: str | Path | None = N
         return np.rint(chars[rng.integers(0, chars.size, n)] / 3.5 + 16).astype(np.int64)
     except Exception:
         return np.full(n, 110, np.int64)
+
+
+def build_predictor(lm: LengthModel, mu: np.ndarray, pids: list[str], max_tokens: int, rng: np.random.Generator, *, window: int = 16,
+                    bg_groups: int, n_samples: int, history_visits=(1, 2)) -> LengthPredictor:
+    """A predictor fed with synthetic history: ``bg_groups`` other problems per earlier policy
+    version fill the global tables; each current problem was seen in 1 or 2 of the ``window - 1``
+    earlier versions (with 1,209 DSR-sub problems and 128 per step a problem comes back every ~9.4
+    steps)."""
+    pred = LengthPredictor(max_tokens, window=window)
+    now = window
+    n_bg = (window - 1) * bg_groups
+    hist_bg = lm.sample(lm.sample_problems(n_bg, rng), n_samples, rng)
+    for i in range(n_bg):
+        pred.observe(f"bg{i}", 1 + i // max(bg_groups, 1), hist_bg[i])
+    for i, pid in enumerate(pids):
+        visits = int(rng.choice(history_visits))
+        for v in sorted(rng.choice(np.arange(1, now), size=visits, replace=False)):
+            pred.observe(pid, int(v), lm.sample(mu[i : i + 1], n_samples, rng)[0])
+    return pred

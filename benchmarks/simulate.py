@@ -16,7 +16,7 @@ workloads (default 5): every figure is a mean over seeds with a 95% t-interval.
   instance per GPU through :mod:`benchmarks.sim_budget`): ``none``, ``fixed`` (the paper's
   unlimited draft budget), ``cost`` (the product's default: the draft tokens that pay at the step's
   price) and ``makespan``, priced as in the product by the step price fitted online to the GPU's
-  step times (:class:`scheduler.knee_cost.KneeCost`: it learns the roofline's knee), with
+  step times (:class:`scheduler.step_price.StepPrice`: it learns the roofline's knee), with
   candidates' probabilities from the acceptance model (``--price-ablations``: also priced by the
   Eq. 1 line fitted offline, and by the roofline's own price); ``class-eq9`` (the published class
   policy), ``class-roofline`` (ours), ``eq7`` (Eq. 7 / 9 per request); all speculative ones KV-aware.
@@ -43,14 +43,16 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.sim_budget import BUDGETS, makesim_budget
+from benchmarks.sim_budget import BUDGETS, make_sim_budget
 from benchmarks.sim_engine import DONE, EngineParams, Requests
 from benchmarks.sim_placement import PLACEMENTS, assign, run_cluster
-from benchmarks.sim_report import batch_curve, config_name, plot_validation, print_table
-from benchmarks.sim_workload import AcceptanceModel, LengthModel, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
+from benchmarks.sim_report import batch_curve, ci95, config_name, plot_validation, print_table
+from benchmarks.sim_workload import AcceptanceModel, LengthModel, build_predictor, fit_linear_cost, h100_7b_roofline, length_stats, prompt_lengths
 from das.config import DASConfig
-from scheduler import LengthPredictor, budgets
-from scheduler.class_budgets import DAS_GATE, DAS_QUOTA
+from scheduler import budgets
+from scheduler.budget_protocol import PricedBudget
+from scheduler.length_classes import DAS_GATE, DAS_QUOTA
+from scheduler.predictor import LengthPredictor
 
 REPO = Path(__file__).resolve().parents[1]
 LENGTH_AWARE = tuple(n for n in BUDGETS if budgets.BUDGETS[n].length_aware)  # budgets that read the length predictor
@@ -58,38 +60,7 @@ SHIPPED = DASConfig().budget  # the budget the product ships (its default)
 PAPER_BUDGET = "class-eq9"  # DAS's deployed policy as published
 
 # two-sided 95% quantiles of Student's t, df = 1..30
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def ci95(x) -> tuple[float, float]:
-    """Mean and half-width of the 95% t-interval (0 for a single value)."""
-    x = np.asarray(x, np.float64)
-    if x.size < 2:
-        return float(x.mean()) if x.size else float("nan"), 0.0
-    df = x.size - 1
-    t = _T975[df - 1] if df <= 30 else 1.96 + 2.4 / df
-    return float(x.mean()), float(t * x.std(ddof=1) / np.sqrt(x.size))
-
-
 # ----------------------------------------------------------------------------- workload
-def build_predictor(lm: LengthModel, mu: np.ndarray, pids: list[str], max_tokens: int, rng: np.random.Generator, *, window: int = 16, bg_groups: int, n_samples: int, history_visits=(1, 2)) -> LengthPredictor:
-    """A predictor fed with synthetic history: ``bg_groups`` other problems per earlier policy
-    version fill the global tables; each current problem was seen in 1 or 2 of the ``window - 1``
-    earlier versions (with 1,209 DSR-sub problems and 128 per step a problem comes back every ~9.4
-    steps)."""
-    pred = LengthPredictor(max_tokens, window=window)
-    now = window
-    n_bg = (window - 1) * bg_groups
-    hist_bg = lm.sample(lm.sample_problems(n_bg, rng), n_samples, rng)
-    for i in range(n_bg):
-        pred.observe(f"bg{i}", 1 + i // max(bg_groups, 1), hist_bg[i])
-    for i, pid in enumerate(pids):
-        visits = int(rng.choice(history_visits))
-        for v in sorted(rng.choice(np.arange(1, now), size=visits, replace=False)):
-            pred.observe(pid, int(v), lm.sample(mu[i : i + 1], n_samples, rng)[0])
-    return pred
-
-
 def synthetic_workload(
     *,
     n_prompts: int = 128,
@@ -178,7 +149,7 @@ def run_config(work, fresh, budget: str, placement: str, n_gpus: int, params: En
     pred = work["predictor"]
     gpu_of = assign(P, S, n_gpus, placement, pred, work["problem_ids"])
     def factory(g: int):
-        b = makesim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price,
+        b = make_sim_budget(budget, pred, params.max_draft, linear_cost, seed=seed * 1009 + g, kv_aware=kv_aware, price=price,
                             batch_draft=params.batch_draft)
         if gate is not None:
             b.gate = gate
@@ -315,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=16384)
     ap.add_argument("--max-draft", type=int, default=16, help="K: the engine's most draft tokens per row and step (das's default; above --batch-draft a priced budget's rows may draft up to it in the long tail)")
-    ap.add_argument("--batch-draft", type=int, default=16, help="most draft tokens per row and step before the long tail (scheduler.tail_drafts)")
+    ap.add_argument("--batch-draft", type=int, default=16, help="most draft tokens per row and step before the long tail (scheduler.planner)")
     ap.add_argument("--replan-every", type=int, default=16, help="engine steps between budget re-plans")
     ap.add_argument("--budgets", "--policies", dest="budgets", default=",".join(BUDGETS),
                     help=f"speculation budgets, a comma-separated subset of {','.join(BUDGETS)}")
@@ -395,7 +366,7 @@ def run_paper_setting(args, params: EngineParams, linear: dict, am: AcceptanceMo
     if args.extras:
         configs += [("eq7", "none", False), ("class-eq9", "none", True, "gate-flip"), ("class-roofline", "none", True, "gate-flip")]
     if args.price_ablations:
-        configs += [(p, "none", True, price) for price in ("linear", "roofline") for p in names if budgets.BUDGETS[p].priced]
+        configs += [(p, "none", True, price) for price in ("linear", "roofline") for p in names if issubclass(budgets.BUDGETS[p], PricedBudget)]
     for seed in range(args.seeds):
         if args.trace:
             work = trace_workload(str(args.trace), args.max_tokens, seed=seed, acceptance_model=am)

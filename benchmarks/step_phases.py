@@ -8,7 +8,7 @@ and times, for every decode step of the engine, the phases of vLLM 0.32's ``GPUM
 (``_sample``: the bonus tokens and the rejection sampler), the proposer (``propose_draft_token_ids``:
 das's bookkeeping, inserts and drafts) and the input preparation. Each phase's milliseconds per
 step are then fitted by least squares as ``a + b * rows + c * draft_tokens + d * [step has
-drafts]`` (what DAS's Eq. 1 prices, split by regime as in :mod:`scheduler.regime_cost`), and
+drafts]`` (what DAS's Eq. 1 prices, split by regime as in :mod:`scheduler.step_price`), and
 printed with the medians by batch size. ``--jsonl`` writes one line per step: ``rows``,
 ``draft_tokens``, ``context_tokens`` (KV tokens of the batch's rows), and each phase's seconds.
 

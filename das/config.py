@@ -12,7 +12,8 @@ Keys (see each field's description): drafter ``window``, ``decay``, ``keep_visit
 ``global_rollouts``, ``global_depth``, ``mix_lr``, ``draft_threads``, ``defer_global``;
 budget ``budget`` (the name of a speculation budget, checked here only as a non-empty string:
 :mod:`scheduler` resolves it, and refuses an unknown one, when the proposer builds its budget; the
-drafter does not depend on the scheduler), ``c_base`` and ``c_tok`` (seconds, both or neither).
+drafter does not depend on the scheduler), ``c_base`` and ``c_tok`` (seconds, both or neither);
+proposer ``step_log`` (a file path: the step log, one JSON line per clean decode step).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any, Literal
 import annotated_types as at
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["CHOOSERS", "DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "das_config", "expected"]
+__all__ = ["CHOOSERS", "DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "STEP_LOG_ENV", "das_config", "expected"]
 
 
 class DASConfig(BaseModel):
@@ -70,6 +71,10 @@ class DASConfig(BaseModel):
                                             "name in scheduler.budgets (checked there when the proposer builds it)")
     c_base: float | None = Field(None, gt=0, description="fixed step cost in seconds (with c_tok): used instead of the online fit")
     c_tok: float | None = Field(None, ge=0, description="step cost per token in seconds (with c_base): used instead of the online fit")
+    step_log: str | None = Field(None, min_length=1, description="a JSON-lines file the vLLM proposer appends one line per clean decode "
+                                                                 "step to (rows, draft tokens, accepted tokens, seconds, the fitted step "
+                                                                 "prices); integrations.vllm_ext.engine.make_llm also takes it from "
+                                                                 "DAS_STEP_LOG")
 
     @field_validator("budget")
     @classmethod
@@ -97,6 +102,7 @@ DRAFTER_KEYS = ("window", "decay", "keep_visits", "age_in_visits", "max_depth", 
                 "use_request_tree", "prior", "chooser", "global_rollouts", "global_depth", "mix_lr", "draft_threads", "defer_global")
 CHOOSERS = ("mix", "walk")
 BUDGET_KEYS = ("budget", "c_base", "c_tok")
+STEP_LOG_ENV = "DAS_STEP_LOG"  # the step log's path, read only where the engine is built (integrations.vllm_ext.engine)
 SHOWN_KEYS = ("window", "decay", "budget")  # the keys the shipped recipes and overlays spell out
 DEFAULTS = DASConfig()
 
@@ -108,6 +114,8 @@ def expected(key: str) -> str:
         return "a budget name (a non-empty string)"
     if key == "chooser":
         return f"one of {list(CHOOSERS)}"
+    if key == "step_log":
+        return "null or a file path (a non-empty string)"
     ann = f.annotation
     optional = ann is not None and type(None) in getattr(ann, "__args__", ())
     base = int if ann is int or (optional and int in ann.__args__) else bool if ann is bool else float

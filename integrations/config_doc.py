@@ -78,6 +78,8 @@ def range_text(key: str) -> str:
             return words
     if type_name(field.annotation).startswith("bool"):
         return "true, false" + (", null" if "null" in type_name(field.annotation) else "")
+    if type_name(field.annotation).startswith("str"):
+        return "a file path" + (", or null" if "null" in type_name(field.annotation) else "")
     lo = hi = None
     for m in field.metadata:
         if isinstance(m, at.Ge):
@@ -120,7 +122,7 @@ draft tokens a row may verify in one step: 16 by default for das
 (`integrations.vllm_ext.engine.DEFAULT_NUM_SPEC_TOKENS`). With a larger K, every row still drafts
 at most 16 per step while the batch is full, and in the long tail (a step running at most 1/8 of
 the recent peak rows) the `cost` and `makespan` budgets may give a row up to K where the step
-price says they pay (`scheduler.tail_drafts`).
+price says they pay (`scheduler.planner`).
 """
 
 #: ``SamplingParams(extra_args=...)`` keys the proposer reads: (key, type, what it does).
@@ -136,7 +138,7 @@ PER_REQUEST = (
 #: What else a budget's choice depends on: notes printed under the budget table.
 BUDGET_NOTES = (
     "The priced budgets (`cost`, `makespan`, and `eq7`'s cost model) price a step online, from the engine's own step "
-    "times (`scheduler.knee_cost.KneeCost`): beside the two-regime line of Eq. 1 it fits a hinge, a step flat in the "
+    "times (`scheduler.step_price.StepPrice`): beside the two-regime line of Eq. 1 it fits a hinge, a step flat in the "
     "tokens it verifies up to a **knee** and linear above it, and takes a knee only where the steps show one clearly (a "
     "memory-bound GPU step). Below the knee a draft token is free, and `cost` and `makespan` spend the free tokens on "
     "the rows predicted to finish last first; on a compute-bound CPU no knee shows and the price stays the line. "
@@ -151,8 +153,8 @@ ENVIRONMENT = (
     ("DAS_DATA_DIR", "a directory of local data files that win over the shipped and downloaded copies (`dsr_sub.parquet`, "
                      "`math500.parquet`, `leetcode_train.json`); read by the command-line entry points only "
                      "(`integrations.data.registry`; unset: none)"),
-    ("DAS_STEP_LOG", "a JSON-lines file: one line per clean decode step (rows, draft tokens, accepted tokens, seconds, the "
-                     "fitted step prices)"),
+    ("DAS_STEP_LOG", "the step log's path when the engine is built by `make_llm` (`das-rollout`, the GRPO loop) and the "
+                     "settings give no `step_log`"),
     ("DAS_IOMP", "`1` or `0`: preload Intel's OpenMP runtime or not, instead of deciding from the CPU"),
     ("DAS_NO_REEXEC", "`1`: the CLIs do not re-execute themselves to preload Intel's OpenMP runtime"),
     ("DAS_CPU_REEXEC", "set by a CLI on the process it re-executes with Intel's OpenMP preloaded, so that it does not do it twice (internal)"),

@@ -1,10 +1,11 @@
 """What a speculation budget is: the step it sees, the drafts it keeps from, and its two verbs.
 
 A speculation budget decides how many draft tokens each running request verifies per engine
-step. Every budget is one subclass of :class:`Budget` (the registry of names is
-:mod:`scheduler.budgets`); the vLLM proposer (through :class:`scheduler.planner.StepPlanner`),
-:class:`scheduler.speculation.SpeculationScheduler`, the GRPO loop and the long-tail simulator hold
-instances of the same classes. A budget acts at two points of a step:
+step. Every budget is one subclass of :class:`Budget` and builds itself from what its host knows
+(:meth:`Budget.from_setting`, a :class:`BudgetSetting`); the registry of names is
+:mod:`scheduler.budgets`. The vLLM proposer (through :class:`scheduler.planner.StepPlanner`), the
+GRPO loop (:class:`scheduler.budgets.RequestCaps`) and the long-tail simulator hold instances of
+the same classes. A budget acts at two points of a step:
 
 * :meth:`Budget.plan` ``(step) -> caps``, before the drafter runs: the most draft tokens each row
   may get (a length-class or Eq. 7 budget decides here, per request);
@@ -12,6 +13,11 @@ instances of the same classes. A budget acts at two points of a step:
   draft tokens of each row the step verifies (a priced budget decides here, from each candidate's
   calibrated path probability and the step's price; a quota budget spends its quota in its
   priority order).
+
+A budget that keeps drafts by the step's price is a :class:`PricedBudget` (the sub-protocol its
+host drives: the host sets the step's price, calibration and probability map, asks
+:meth:`PricedBudget.can_pay` before any drafter lookup and :meth:`PricedBudget.cutoff` for where
+the drafts may stop); hosts tell one by ``isinstance(budget, PricedBudget)``.
 
 The :class:`StepView` holds what the host knows about the step: each row's own cap, which rows
 may draft, and (computed only when a budget asks) the rows' length facts (:class:`RowFacts`);
@@ -25,14 +31,40 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import numpy as np
 
 from scheduler.predictor import LengthPredictor, Prediction
 from scheduler.step_price import LinearPrice
 
-__all__ = ["Budget", "Drafts", "RowFacts", "StepView", "allot_in_order"]
+if TYPE_CHECKING:
+    from scheduler.drain_plan import CostModel
+
+__all__ = ["Budget", "BudgetSetting", "Drafts", "PricedBudget", "RowFacts", "StepView", "allot_in_order"]
+
+
+@dataclass
+class BudgetSetting:
+    """What a host knows that a budget may need (:meth:`Budget.from_setting`).
+
+    Attributes:
+        max_draft: K, the most draft tokens per row and step.
+        cost: the host's online step-cost line (``eq7``; default: a fresh unfitted one).
+        offline_cost: ``(c_base, c_tok)`` Eq. 1 constants fitted offline (``class-eq9``; seconds).
+        class_caps: ``(long, medium, short)`` draft tokens of ``class`` (default ``(16, 4, 0)``,
+            each capped at K).
+        seed: seed of ``eq7``'s stochastic rounding (None: round to nearest).
+        draft_while_unfitted: ``eq7`` leaves the rows' caps while ``cost`` is not fitted (True)
+            instead of drafting nothing.
+    """
+
+    max_draft: int = 16
+    cost: CostModel | None = None
+    offline_cost: tuple[float, float] | None = None
+    class_caps: tuple[int, int, int] | None = None
+    seed: int | None = 0
+    draft_while_unfitted: bool = False
 
 
 class Drafts(NamedTuple):
@@ -94,9 +126,7 @@ class StepView:
         price: :class:`scheduler.step_price.LinearPrice` of the step, or None (not measured yet).
         calibration: float64 ``[rows]`` factors on each row's calibrated probabilities.
         prob_map: None or a non-decreasing map of raw to calibrated probabilities with a
-            ``curve()`` (:class:`scheduler.calibration.AcceptanceCalibration`).
-        peak: dict that a priced budget's :meth:`Budget.keep` fills with where its rate peaked
-            (:func:`scheduler.draft_selection.choose_drafts`).
+            ``curve()`` (:class:`scheduler.acceptance.AcceptanceCalibration`).
 
     Raises:
         ValueError: ``caps`` not 1-D, or ``live`` of another shape.
@@ -114,7 +144,6 @@ class StepView:
         self.price: LinearPrice | None = None
         self.calibration: np.ndarray | None = None
         self.prob_map: Any = None
-        self.peak: dict = {}
         self.memo: dict[str, Any] = {}  # what a budget computed from this step once (e.g. token values)
         self._live_rows: np.ndarray | None = None
 
@@ -170,15 +199,12 @@ class Budget:
     Class attributes:
         name, summary: the registry name and its one-line description (:mod:`scheduler.budgets`).
         runs_in: hosts the budget is offered in: ``proposer`` (vLLM, per engine step),
-            ``scheduler`` (:class:`scheduler.speculation.SpeculationScheduler`, caps before the
-            drafter), ``grpo`` (per-request caps at submission, the GRPO loop's
-            ``scheduler.budget``), ``simulator`` (``benchmarks.simulate``).
+            ``grpo`` (per-request caps at submission, the GRPO loop's ``scheduler.budget``),
+            ``simulator`` (``benchmarks.simulate``).
         drafts: False for a budget that never drafts.
         static: True when the caps depend on nothing but the rows' own caps (a host need not
             re-plan as rows progress).
-        priced: True for a budget that keeps drafts by the step's price: the host sets
-            ``StepView.price``, ``calibration`` and ``prob_map``, and measures the price.
-        uses_cost_fit: True for a budget that reads an online :class:`scheduler.cost_model.CostModel`
+        uses_cost_fit: True for a budget that reads an online :class:`scheduler.drain_plan.CostModel`
             of the host's step times.
         length_aware: True for a budget that reads the length predictor (``StepView.facts``).
         quota: ``None`` (no per-step quota), ``"fixed"`` (:attr:`quota_tokens` draft tokens per
@@ -192,12 +218,21 @@ class Budget:
     runs_in: ClassVar[frozenset[str]] = frozenset()
     drafts: ClassVar[bool] = True
     static: ClassVar[bool] = False
-    priced: ClassVar[bool] = False
     uses_cost_fit: ClassVar[bool] = False
     length_aware: ClassVar[bool] = False
     quota: ClassVar[str | None] = None
     quota_tokens: float = 0.0
     gate: int = -1
+
+    @classmethod
+    def from_setting(cls, setting: BudgetSetting) -> Budget:
+        """A fresh budget of this class from what the host knows (the registry's one way to build
+        one, :func:`scheduler.budgets.make_budget`); the base takes no setting.
+
+        Raises:
+            ValueError: the setting lacks what the budget needs (named in the message).
+        """
+        return cls()
 
     def plan(self, step: StepView) -> np.ndarray:
         """Draft caps before the drafter runs: int64 ``[rows]``, each at most ``step.caps``."""
@@ -213,6 +248,12 @@ class Budget:
         if order is None:
             order = np.arange(step.rows)
         return np.floor(allot_in_order(drafts.lengths.astype(np.float64), order, step.live, float(quota))).astype(np.int64)
+
+    @property
+    def replan_at_events(self) -> bool:
+        """Whether the budget holds every draft back until an event (a request finishing or
+        starting) may change that: a host that plans every few steps plans again at the next event."""
+        return False
 
     def priority(self, step: StepView) -> np.ndarray | None:
         """Rows (int64 indices into the step) in the order that a quota or a scarce KV cache
@@ -231,6 +272,28 @@ class Budget:
     def describe(self) -> dict[str, Any]:
         """The budget's name and settings (for logs)."""
         return {"budget": self.name}
+
+
+class PricedBudget(Budget):
+    """A budget that keeps the draft tokens that pay for their verification at the step's price.
+
+    Its host (:class:`scheduler.planner.StepPlanner`, the simulator) sets, before asking it
+    anything, ``StepView.price`` (:class:`scheduler.step_price.LinearPrice`; the planner asks
+    nothing while it is None), ``calibration`` and ``prob_map``, and measures the price. Besides
+    :meth:`Budget.keep` (which tokens the step verifies), the host asks before the drafter runs
+    whether any draft can pay (:meth:`can_pay`: else it skips the lookups) and where each row's
+    draft may stop (:meth:`cutoff`: the same drafts reach the engine for fewer lookups).
+    """
+
+    def can_pay(self, step: StepView, caps: np.ndarray, best_prob: float) -> bool:
+        """Whether any draft could pay this step if every draft token had calibrated probability
+        ``best_prob``; ``caps``: int64 ``[rows]``, the rows' caps (their sum bounds the draft tokens)."""
+        raise NotImplementedError
+
+    def cutoff(self, step: StepView) -> float | np.ndarray | None:
+        """The calibrated probability at or below which the step keeps no draft token (a float for
+        all rows, or float64 ``[rows]``), so the drafter may stop there; None: nowhere."""
+        raise NotImplementedError
 
 
 def allot_in_order(want, order, running, budget):

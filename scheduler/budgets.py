@@ -1,17 +1,23 @@
-"""The speculation budgets: one registry of names, one class per budget, where each is offered.
+"""The speculation budgets: one registry of names, the plain budgets, and per-request caps at submission.
 
 A budget decides how many draft tokens each running request verifies per engine step
 (:mod:`scheduler.budget_protocol`). This module is the one place that maps a name to its class
-(:data:`BUDGETS`); the vLLM proposer (``additional_config['das']['budget']``,
-:mod:`integrations.vllm_ext.proposer`), :class:`scheduler.speculation.SpeculationScheduler`, the
+(:data:`BUDGETS`); each class builds itself from what its host knows
+(:meth:`scheduler.budget_protocol.Budget.from_setting`). The vLLM proposer
+(``additional_config['das']['budget']``, :mod:`integrations.vllm_ext.proposer`), the
 ``das-rollout`` flags (``--budget``, ``--compare das:<budget>``), the recipes
 (``speculative.das.budget``, ``scheduler.budget``) and the long-tail simulator
-(``benchmarks/simulate.py --policies``) build their budget with :func:`make_budget`. Where each one
-is offered is its class's ``runs_in``:
+(``benchmarks/simulate.py --policies``) build their budget with :func:`make_budget`. The families:
+
+* plain (here): ``none`` (:class:`NoneBudget`), ``fixed`` (:class:`FixedBudget`);
+* length classes (:mod:`scheduler.length_classes`): ``class``, ``class-eq9``, ``class-roofline``;
+* the drain plan (:mod:`scheduler.drain_plan`): ``eq7``;
+* priced (:mod:`scheduler.priced_budgets`): ``cost``, ``makespan``.
+
+Where each one is offered is its class's ``runs_in``:
 
 * ``proposer``: inside vLLM, per engine step (:class:`scheduler.planner.StepPlanner`);
-* ``scheduler``: :class:`~scheduler.speculation.SpeculationScheduler` (caps before the drafter);
-* ``grpo``: per-request caps fixed at submission (:class:`scheduler.speculation.RequestCaps`);
+* ``grpo``: per-request caps fixed at submission (:class:`RequestCaps`, the GRPO loop's ``scheduler.budget``);
 * ``simulator``: ``benchmarks.simulate`` (simulated GPUs, no vLLM).
 
 Old names are refused with an error that gives the new one (:data:`RENAMED`), never mapped
@@ -20,18 +26,17 @@ silently, so one budget never shows up under two names in results.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
 
 import numpy as np
 
-from scheduler.budget_protocol import Budget, StepView
-from scheduler.class_budgets import ClassBudget, ClassEq9Budget, ClassRooflineBudget
-from scheduler.cost_model import CostModel
-from scheduler.eq7 import Eq7Budget
+from scheduler.budget_protocol import Budget, BudgetSetting, StepView
+from scheduler.drain_plan import DrainPlanBudget
+from scheduler.length_classes import ClassBudget, ClassRooflineBudget, PublishedClassBudget
 from scheduler.predictor import LengthPredictor
 from scheduler.priced_budgets import CostBudget, MakespanBudget
 
-__all__ = ["BUDGETS", "RENAMED", "BudgetSetting", "FixedBudget", "NoneBudget", "budget_class", "describe", "make_budget", "names", "resolve"]
+__all__ = ["BUDGETS", "RENAMED", "FixedBudget", "NoneBudget", "RequestCaps", "budget_class", "describe", "make_budget", "names", "resolve"]
 
 
 class NoneBudget(Budget):
@@ -40,7 +45,7 @@ class NoneBudget(Budget):
     name = "none"
     summary = ("no draft tokens (in the proposer: vLLM's speculative path and the drafter's inserts, drafting nothing: "
                "their per-step cost on their own, against the method none)")
-    runs_in = frozenset({"proposer", "scheduler", "grpo", "simulator"})
+    runs_in = frozenset({"proposer", "grpo", "simulator"})
     drafts = False
     static = True
 
@@ -60,48 +65,29 @@ class FixedBudget(Budget):
 
     name = "fixed"
     summary = "up to K draft tokens per row whenever the drafter finds a match (the paper's 'unlimited draft budget')"
-    runs_in = frozenset({"proposer", "scheduler", "grpo", "simulator"})
+    runs_in = frozenset({"proposer", "grpo", "simulator"})
     static = True
 
     def __init__(self, max_draft: int = 16):
         self.max_draft = int(max_draft)
+
+    @classmethod
+    def from_setting(cls, setting: BudgetSetting) -> FixedBudget:
+        return cls(int(setting.max_draft))
 
     def request_caps(self, predictor: LengthPredictor, problem_idx: np.ndarray, samples_per_problem: int = 1) -> np.ndarray:
         return np.full(np.asarray(problem_idx).size, self.max_draft, np.int32)
 
 
 BUDGETS: dict[str, type[Budget]] = {c.name: c for c in (
-    NoneBudget, FixedBudget, CostBudget, MakespanBudget, ClassBudget, ClassEq9Budget, ClassRooflineBudget, Eq7Budget)}
+    NoneBudget, FixedBudget, CostBudget, MakespanBudget, ClassBudget, PublishedClassBudget, ClassRooflineBudget, DrainPlanBudget)}
 
 # Former names: refused with an error that names the new one.
 RENAMED: dict[str, str] = {"unlimited": "fixed", "das": "class-eq9", "das-roofline": "class-roofline"}
 
 
-@dataclass
-class BudgetSetting:
-    """What a host knows that a budget may need, for :func:`make_budget`.
-
-    Attributes:
-        max_draft: K, the most draft tokens per row and step.
-        cost: the host's online step-cost fit (``eq7``; default: a fresh unfitted one).
-        offline_cost: ``(c_base, c_tok)`` Eq. 1 constants fitted offline (``class-eq9``; seconds).
-        class_caps: ``(long, medium, short)`` draft tokens of ``class`` (default ``(16, 4, 0)``,
-            each capped at K).
-        seed: seed of ``eq7``'s stochastic rounding (None: round to nearest).
-        draft_while_unfitted: ``eq7`` leaves the rows' caps while ``cost`` is not fitted (True)
-            instead of drafting nothing.
-    """
-
-    max_draft: int = 16
-    cost: CostModel | None = None
-    offline_cost: tuple[float, float] | None = None
-    class_caps: tuple[int, int, int] | None = None
-    seed: int | None = 0
-    draft_while_unfitted: bool = False
-
-
 def names(runs_in: str | None = None) -> tuple[str, ...]:
-    """Budget names in registry order, those offered in ``runs_in`` (``proposer``, ``scheduler``,
+    """Budget names in registry order, those offered in ``runs_in`` (``proposer``,
     ``grpo``, ``simulator``) or all."""
     return tuple(n for n, c in BUDGETS.items() if runs_in is None or runs_in in c.runs_in)
 
@@ -138,23 +124,58 @@ def describe(runs_in: str | None = None) -> str:
 
 
 def make_budget(name: object, runs_in: str | None = None, setting: BudgetSetting | None = None) -> Budget:
-    """A fresh budget ``name`` (checked as :func:`resolve`) built from what the host knows.
+    """A fresh budget ``name`` (checked as :func:`resolve`) built by its class from what the host
+    knows (:meth:`scheduler.budget_protocol.Budget.from_setting`; default: a default setting).
 
     Raises:
-        ValueError: a bad name (as :func:`resolve`), or ``class-eq9`` without ``offline_cost``.
+        ValueError: a bad name (as :func:`resolve`), or a setting that lacks what the budget needs
+            (``class-eq9`` without ``offline_cost``).
     """
-    cls = budget_class(name, runs_in)
-    s = setting or BudgetSetting()
-    k = int(s.max_draft)
-    if cls is FixedBudget:
-        return FixedBudget(k)
-    if cls is ClassBudget:
-        long, medium, short = s.class_caps or (16, 4, 0)
-        return ClassBudget(min(long, k), min(medium, k), min(short, k), max_draft=k)
-    if cls is Eq7Budget:
-        return Eq7Budget(s.cost, max_draft=k, seed=s.seed, draft_while_unfitted=s.draft_while_unfitted)
-    if cls is ClassEq9Budget:
-        if s.offline_cost is None:
-            raise ValueError("budget 'class-eq9' needs the Eq. 1 constants fitted offline (BudgetSetting.offline_cost = (c_base, c_tok))")
-        return ClassEq9Budget(k, *s.offline_cost)
-    return cls()
+    return budget_class(name, runs_in).from_setting(setting or BudgetSetting())
+
+
+class RequestCaps:
+    """Per-problem ``das_max_draft_tokens`` at submission, iteration after iteration (the GRPO loop's ``scheduler.budget``).
+
+    After each iteration the rollout lengths are recorded (:meth:`observe`, a
+    :class:`LengthPredictor` over the last ``window`` policy versions); before the next,
+    :meth:`caps` gives every problem its budget's cap (``class``: the cap of its majority class
+    among its past rollouts; unseen problems get the most common class). The run-time class
+    update (as a rollout grows past its class) needs the proposer's per-step budget; this is the
+    submission half.
+
+    Args:
+        budget: a budget offered in ``grpo``.
+        max_tokens: the rollouts' most output tokens.
+        max_draft: K.
+        window: policy versions of length history.
+        long, medium, short: the ``class`` budget's draft tokens per class.
+
+    Raises:
+        ValueError: a budget not offered in ``grpo`` (the message lists those that are).
+    """
+
+    def __init__(self, budget: str, *, max_tokens: int, max_draft: int, window: int = 16, long: int = 16, medium: int = 4, short: int = 0):
+        try:
+            name = resolve(budget, "grpo")
+        except ValueError as exc:
+            raise ValueError(f"budget: {exc}") from None
+        setting = BudgetSetting(max_draft=int(max_draft), class_caps=(int(long), int(medium), int(short)))
+        self.budget = make_budget(name, "grpo", setting)
+        self.predictor = LengthPredictor(int(max_tokens), window=int(window))
+        self.seen = 0
+
+    def caps(self, problem_ids: Sequence[str]) -> list[int | None]:
+        """One cap per problem (draft tokens per step); all None (no cap) before any history."""
+        if self.seen == 0:
+            return [None] * len(problem_ids)
+        return [int(c) for c in self.budget.request_caps(self.predictor, self.predictor.index(list(problem_ids)))]
+
+    def observe(self, policy_version: int, problem_ids: Sequence[str], lengths: Sequence[int]) -> None:
+        """Record one iteration's rollouts: each one's problem and output length (tokens)."""
+        by: dict[str, list[int]] = {}
+        for pid, n in zip(problem_ids, lengths):
+            by.setdefault(pid, []).append(int(n))
+        for pid, ls in by.items():
+            self.predictor.observe(pid, int(policy_version), ls)
+        self.seen += len(lengths)

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from scheduler.calibration import AcceptanceCalibration
-from scheduler.draft_selection import choose_drafts
+from scheduler.acceptance import AcceptanceCalibration
+from scheduler.priced_budgets import choose_drafts
 
 
 def _feed(cal, true_rate, steps=400, seed=0):

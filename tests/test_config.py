@@ -110,10 +110,9 @@ def test_expected_states_the_schema_bounds_in_words():
 def test_one_name_per_budget_everywhere():
     from benchmarks.sim_budget import BUDGETS as SIM
     from integrations.vllm_ext.proposer import BUDGETS
-    from scheduler.speculation import BUDGETS as SCHED
 
     assert BUDGETS == budgets.names("proposer") == ("none", "fixed", "cost", "makespan", "class", "eq7")
-    assert SCHED == budgets.names("scheduler") == ("none", "fixed", "class", "eq7")
+    assert budgets.names("grpo") == ("none", "fixed", "class")
     assert SIM == budgets.names("simulator") == ("none", "fixed", "cost", "makespan", "class-eq9", "class-roofline", "eq7")
     assert DEFAULTS.budget in BUDGETS
     assert all(b.summary and b.runs_in for b in budgets.BUDGETS.values())
@@ -124,11 +123,11 @@ def test_one_name_per_budget_everywhere():
 
 
 def test_simulator_refuses_former_names():
-    from benchmarks.sim_budget import makesim_budget
+    from benchmarks.sim_budget import make_sim_budget
 
     with pytest.raises(ValueError, match="'das-roofline' is now called 'class-roofline'"):
-        makesim_budget("das-roofline", None, 16, {})
-    assert makesim_budget("fixed", None, 16, {}).name == "fixed"
+        make_sim_budget("das-roofline", None, 16, {})
+    assert make_sim_budget("fixed", None, 16, {}).name == "fixed"
 
 
 # ---- das-rollout: every bad input refused before any model or engine loads
@@ -155,7 +154,7 @@ def _rollout_error(capsys, argv: list[str]) -> str:
     (["--num-spec-tokens", "0"], "--num-spec-tokens must be >= 1, got 0"),
     (["--prompts", "0"], "--prompts must be >= 1, got 0"),
     (["--data", "/nonexistent/nope.parquet"], "nope.parquet"),
-    (["--data", "problems.csv"], "unknown problem set 'problems.csv'"),
+    (["--data", "problems.csv"], "unknown data set 'problems.csv'"),
     (["--trace", "out/rollouts.json"], "--trace must be a .parquet path, got 'out/rollouts.json'"),
 ])
 def test_das_rollout_bad_input_exits_2_naming_it(capsys, argv, named):

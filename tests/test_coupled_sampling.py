@@ -14,6 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from integrations.vllm_ext import patches
 from integrations.vllm_ext.patches import coupled_sampling as cs
 from integrations.vllm_ext.patches.inverse_cdf import BLOCK, inverse_cdf
 
@@ -184,12 +185,12 @@ def test_a_speculative_engine_samples_the_rollouts_of_a_plain_one(peaked_tiny_mo
         return [list(o.outputs[0].token_ids) for o in outs]
 
     base = make_llm(peaked_tiny_model, "none", dtype="float32", max_model_len=128)
-    assert all(cs.enable(base))  # a feature: on only when asked for
+    assert all(patches.enable_coupled_sampling(base))  # a feature: on only when asked for
     expected = [generate(base, s) for s in (1, 2)]
     del base
     release_engine_state()
     llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6, das_config={"budget": "fixed"})
-    assert all(cs.enable(llm))
+    assert all(patches.enable_coupled_sampling(llm))
     got = []
     for version, seed in ((1, 1), (2, 2)):  # the second iteration drafts from the first one's rollouts
         control.begin_iteration(llm, version)
@@ -237,6 +238,6 @@ def test_enable_says_what_to_do_when_vllm_will_not_send_workers_a_function(monke
 
     monkeypatch.delenv("DAS_VLLM_FEATURES", raising=False)
     with pytest.raises(RuntimeError, match="DAS_VLLM_FEATURES=coupled_sampling"):
-        cs.enable(MultiprocessLLM())
+        patches.enable_coupled_sampling(MultiprocessLLM())
     monkeypatch.setenv("DAS_VLLM_FEATURES", "coupled_sampling")  # the workers got it at their start
-    assert cs.enable(MultiprocessLLM()) == []
+    assert patches.enable_coupled_sampling(MultiprocessLLM()) == []

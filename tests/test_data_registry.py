@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from integrations.data import registry
+from integrations.data import problems, registry
 from integrations.data.problems import CODE_INSTRUCTION, load_leetcodedataset_jsonl, load_problems
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_shipped_sets_load_without_a_data_dir():
     for name, rows in (("dsr_sub", 1209), ("math500", 500)):
         src = registry.resolve(name)
         assert src.path is not None and src.path.parent == registry.PACKAGE_FILES
-        assert len(src.load()) == rows
+        assert len(problems.load_source(src)) == rows
 
 
 def test_the_data_dir_wins_and_only_for_files_it_has(tmp_path):

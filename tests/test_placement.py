@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler import assign_groups, compare_assignments, worker_loads
+from scheduler.placement import assign_groups, compare_assignments, worker_loads
 
 
 def test_lpt_balances_a_skewed_instance_better_than_round_robin():

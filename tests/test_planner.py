@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.budget_protocol import Drafts, StepView
-from scheduler.budgets import BudgetSetting, make_budget
+from scheduler.budget_protocol import BudgetSetting, Drafts, StepView
+from scheduler.budgets import make_budget
 from scheduler.planner import SCREEN_STEPS, StepPlanner, likeliest_rows
 
 
@@ -42,6 +42,13 @@ class Drafter:
         return Drafts(self.probs.copy(), lengths, np.zeros(self.probs.shape, np.int32))
 
 
+def run_step(planner, step, drafter, floor=0.0):
+    """One step as a host runs it: the planner's plan, one drafter call, the tokens kept."""
+    plan = planner.plan(step, floor)
+    found = drafter(plan.caps, plan.min_prob)
+    return found, planner.keep(step, found)
+
+
 def _planner(name="cost", given=None, **setting):
     cost = StepPlanner.online_cost(given)
     return StepPlanner(make_budget(name, "proposer", BudgetSetting(cost=cost, **setting)), cost=cost, given_costs=given)
@@ -63,7 +70,7 @@ def test_warm_up_alternates_plain_and_drafting_steps_and_keeps_a_quarter_of_a_la
     # over 32 rows that could all draft K tokens keeps at most 32 // 4 = 8 tokens in all.
     planner = _planner()
     drafter = Drafter(np.full((32, 6), 0.9))
-    kept = [int(planner.decide(StepView(np.full(32, 6)), drafter)[1].sum()) for _ in range(4)]
+    kept = [int(run_step(planner, StepView(np.full(32, 6)), drafter)[1].sum()) for _ in range(4)]
     assert kept[0] == kept[2] == 0 and 0 < kept[1] <= 8 and 0 < kept[3] <= 8
     assert planner.stats.skipped_steps == 2 and planner.stats.fitted_steps == 0
 
@@ -82,10 +89,11 @@ def test_given_prices_price_every_step_and_never_force_a_plain_one():
         clock.step(0.1 + 0.0001 * 8, 8, 8)
     assert fitted.regimes.ready
     for planner in (given, fitted):
+        assert planner.plan(StepView(np.full(8, 4))).plain == (planner is fitted)  # the plan says it is the plain step
         drafter = Drafter(np.full((8, 4), 0.95))
-        kept = planner.decide(StepView(np.full(8, 4)), drafter)[1]
+        kept = run_step(planner, StepView(np.full(8, 4)), drafter)[1]
         assert (kept.sum() > 0) == (planner is given), planner.given_costs
-    assert fitted.stats.skipped_steps == 1 and given.stats.fitted_steps == 1
+    assert fitted.stats.skipped_steps == 2 and given.stats.fitted_steps == 1
 
 
 def test_drafting_that_does_not_pay_on_the_clock_shrinks_the_acceptance_estimates():
@@ -163,10 +171,10 @@ def test_after_32_steps_where_no_draft_can_pay_one_step_explores():
         return StepView(np.full(4, 6), accepted=np.zeros(4), predicted=np.full(4, 100.0))
 
     drafter = Drafter(np.array([[0.9] * 6, [0.95] * 6, [0.9] * 6, [0.9] * 6]))
-    kept = [planner.decide(step(), drafter)[1] for _ in range(33)]
+    kept = [run_step(planner, step(), drafter)[1] for _ in range(33)]
     assert all(k.sum() == 0 for k in kept[:32]) and planner.stats.skipped_steps == 32 and drafter.drafted == 6 * 4
     assert kept[32].tolist() == [0, 1, 0, 0]  # the first token of the likeliest row (rows // 8, at least 1)
-    assert planner.decide(step(), drafter)[1].sum() == 0 and planner.stats.skipped_steps == 33  # and back to the price
+    assert run_step(planner, step(), drafter)[1].sum() == 0 and planner.stats.skipped_steps == 33  # and back to the price
 
 
 def test_a_length_budget_caps_before_the_drafter_and_keeps_all_it_drafted(length_history):
@@ -178,7 +186,7 @@ def test_a_length_budget_caps_before_the_drafter_and_keeps_all_it_drafted(length
     step = StepView(np.array([6, 6]), facts=lambda: RowFacts(pred, pred.index(ids), np.zeros(2), np.full(2, 16384), np.zeros(2),
                                                               np.zeros(2), np.zeros(2)))
     drafter = Drafter(np.full((2, 8), 0.5))
-    found, kept = planner.decide(step, drafter)
+    found, kept = run_step(planner, step, drafter)
     assert found.lengths.tolist() == [0, 6] and kept.tolist() == [0, 6]
     assert step.calibration is None  # an unpriced budget: no price, no calibration
 
@@ -201,49 +209,43 @@ def priced_streams(draw):
 
 
 @settings(max_examples=20, deadline=None)
-@given(priced_streams(), st.booleans())
-def test_drafts_cut_at_the_price_keep_what_uncut_drafts_keep(stream, guess):
-    """The planner has the drafter stop where the step's price would cut anyway (at the bound,
-    or from ``GUESS_ROWS`` rows near the last keep threshold, drafting again when the check
-    fails): every step keeps the same tokens as drafting down to the drafter's own cutoff."""
-    from scheduler import priced_budgets
+@given(priced_streams())
+def test_drafts_cut_at_the_price_keep_what_uncut_drafts_keep(stream):
+    """The planner has the drafter stop where the step's price would cut anyway (at the bound
+    below which the selection keeps nothing), drafting once: every step keeps the same tokens as
+    drafting down to the drafter's own cutoff, and the drafter drafts no more."""
     from scheduler.budget_protocol import RowFacts
     from scheduler.predictor import LengthPredictor
 
     name, given, steps = stream
     pred = LengthPredictor(1024)
     pred.observe("p", 1, [100, 400, 900])
-    old = priced_budgets.GUESS_ROWS
-    priced_budgets.GUESS_ROWS = 1 if guess else 10**9
-    try:
-        cut, uncut = _planner(name, given), _planner(name, given)
-        uncut.budget.cutoff = lambda step: None
-        for planner in (cut, uncut):
-            planner.kept, planner.drafter_calls = [], 0
-            clock = Clock(planner)
-            for j, (probs, caps, seconds, accepted_share) in enumerate(steps):
-                drafter = Drafter(probs, floor=0.05)
-                n = caps.size
-                facts = RowFacts(pred, pred.index(["p"] * n), 10.0 * (np.arange(n) + j), np.full(n, 1024), np.zeros(n), np.zeros(n), np.zeros(n))
-                view = StepView(caps, facts=facts, accepted=np.zeros(n), predicted=np.zeros(n))
-                found, kept = planner.decide(view, drafter, floor=0.05)
-                planner.kept.append(kept.tolist())
-                planner.drafter_calls += drafter.drafted
-                acc = np.floor(kept * accepted_share).astype(np.int64)
-                offered = np.flatnonzero(kept)
-                if offered.size:
-                    planner.observe_verified(acc[offered], probs[offered].sum(axis=1) * 0.5, found.probs[offered], kept[offered])
-                clock.step(seconds, caps.size, int(kept.sum()), int(acc.sum()))
-        assert cut.kept == uncut.kept
-        assert cut.drafter_calls <= uncut.drafter_calls + sum(int(np.minimum(c, 8).sum()) for _, c, _, _ in steps) * cut.stats.recut_steps
-    finally:
-        priced_budgets.GUESS_ROWS = old
+    cut, uncut = _planner(name, given), _planner(name, given)
+    uncut.budget.cutoff = lambda step: None
+    for planner in (cut, uncut):
+        planner.kept, planner.drafter_calls = [], 0
+        clock = Clock(planner)
+        for j, (probs, caps, seconds, accepted_share) in enumerate(steps):
+            drafter = Drafter(probs, floor=0.05)
+            n = caps.size
+            facts = RowFacts(pred, pred.index(["p"] * n), 10.0 * (np.arange(n) + j), np.full(n, 1024), np.zeros(n), np.zeros(n), np.zeros(n))
+            view = StepView(caps, facts=facts, accepted=np.zeros(n), predicted=np.zeros(n))
+            found, kept = run_step(planner, view, drafter, floor=0.05)
+            planner.kept.append(kept.tolist())
+            planner.drafter_calls += drafter.drafted
+            acc = np.floor(kept * accepted_share).astype(np.int64)
+            offered = np.flatnonzero(kept)
+            if offered.size:
+                planner.observe_verified(acc[offered], probs[offered].sum(axis=1) * 0.5, found.probs[offered], kept[offered])
+            clock.step(seconds, caps.size, int(kept.sum()), int(acc.sum()))
+    assert cut.kept == uncut.kept
+    assert cut.drafter_calls <= uncut.drafter_calls
 
 
 def test_on_compute_bound_steps_the_knee_price_keeps_what_the_line_keeps():
     """The step price learns a knee only where the steps show one: on a CPU's step times (no flat
     region) every step keeps the drafts that the two-regime line's price keeps."""
-    from scheduler.regime_cost import TwoRegimeCost
+    from scheduler.step_price import TwoRegimeCost
 
     tokens = np.array([1, 2, 4, 8, 16, 32, 48], np.float64)  # median step seconds by tokens verified, a 2-core AVX2 CPU
     seconds = np.array([44.5, 47.1, 59.0, 77.2, 113.5, 147.5, 203.0]) * 1e-3
@@ -261,7 +263,7 @@ def test_on_compute_bound_steps_the_knee_price_keeps_what_the_line_keeps():
             planner.regimes = Line(refit_every=4)
         clock, out = Clock(planner), []
         for rows, probs, noise in stream:
-            _, k = planner.decide(StepView(np.full(rows, 8)), Drafter(probs[:rows]), floor=0.0)
+            _, k = run_step(planner, StepView(np.full(rows, 8)), Drafter(probs[:rows]), floor=0.0)
             out.append(k.tolist())
             n = rows + int(k.sum())
             clock.step((np.interp(n, tokens, seconds) + 2.8e-3 * max(n - 48, 0) + 6.4e-3 * bool(k.sum())) * noise, rows, int(k.sum()),

@@ -20,7 +20,7 @@ import pytest
 from integrations.rl.ray_rollout import Group, RolloutWorker
 from integrations.rollout import IterationResult, MethodRun
 from integrations.vllm_ext import rollouts as loop
-from integrations.vllm_ext.proposer import ProposerStats
+from scheduler.planner import StepStats
 
 STEP_S = 0.5
 
@@ -220,7 +220,7 @@ def test_bad_arguments_and_lost_requests(fake_vllm):
 def test_proposer_counter_list_is_the_proposers():
     import dataclasses
 
-    assert set(loop.PROPOSER_COUNTERS) == {f.name for f in dataclasses.fields(ProposerStats)}
+    assert set(loop.PROPOSER_COUNTERS) == {f.name for f in dataclasses.fields(StepStats)}
 
 
 def test_das_rollout_iteration_and_trace_records(fake_vllm):

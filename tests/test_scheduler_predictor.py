@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from scheduler import LONG, SHORT, LengthPredictor, classify, confusion_matrix, evaluate_predictor
+from scheduler.predictor import LONG, SHORT, LengthPredictor, classify, confusion_matrix, evaluate_predictor
 
 MAX = 16384
 

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from benchmarks.sim_budget import BUDGETS, makesim_budget
+from benchmarks.sim_budget import BUDGETS, make_sim_budget
 from benchmarks.sim_engine import EngineParams, Gpu, Requests, allot_drafts, roofline_time
 from benchmarks.sim_placement import PLACEMENTS, assign
 from benchmarks.sim_workload import AcceptanceModel, LengthModel, Roofline, fit_length_model, fit_linear_cost, h100_7b_roofline
@@ -65,7 +65,7 @@ def _two_requests(kv_aware: bool):
         k=k, a=a, tau_tab=am.tau_table(k, a, 1, 16), tau_loop=am.loop_tau(16), nat_draft=3.7,
     )  # fmt: skip
     params = EngineParams(roof=TOY, max_draft=16, drafter_ms_per_256=0.0, max_tokens=64)
-    gpu = Gpu(0, req, np.arange(2), makesim_budget("fixed", None, 16, {}, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
+    gpu = Gpu(0, req, np.arange(2), make_sim_budget("fixed", None, 16, {}, kv_aware=kv_aware), params, 2, np.zeros((2, 16, 3)), np.zeros((1, 3)))
     gpu.run_until(0.022)  # step 1 (prefill of 200 tokens, compute-bound) ends at 21 ms, step 2 after it
     after_two = req.gen.copy()
     gpu.run_until()
@@ -95,7 +95,7 @@ def test_kv_unaware_drafts_preempt():
 
 
 def test_ci95_and_class_budgets():
-    from scheduler.class_budgets import class_budgets
+    from scheduler.length_classes import class_budgets
 
     m, h = ci95([1.0, 2.0, 3.0])
     assert m == 2.0 and h == pytest.approx(4.303 / math.sqrt(3))

@@ -7,13 +7,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks.sim_budget import makesim_budget
-from scheduler.budget_protocol import Drafts, StepView
-from scheduler.budgets import BudgetSetting, make_budget
-from scheduler.planner import StepPlanner
+from benchmarks.sim_budget import make_sim_budget
+from scheduler.budget_protocol import BudgetSetting, Drafts, StepView
+from scheduler.budgets import make_budget
+from scheduler.planner import BATCH_DRAFT, PEAK_FADE, StepPlanner, TailDrafts
 from scheduler.priced_budgets import CostBudget
 from scheduler.step_price import LinearPrice
-from scheduler.tail_drafts import BATCH_DRAFT, PEAK_FADE, TailDrafts
 
 K = 32
 CPU = (0.047, 0.0033)  # c_base, c_tok seconds: a linear, compute-bound CPU step price (2-core AVX2 step log)
@@ -22,6 +21,13 @@ CPU = (0.047, 0.0033)  # c_base, c_tok seconds: a linear, compute-bound CPU step
 def _planner(name="cost", given=CPU, k=K):
     cost = StepPlanner.online_cost(given)
     return StepPlanner(make_budget(name, "proposer", BudgetSetting(cost=cost, max_draft=k)), cost=cost, given_costs=given, max_draft=k)
+
+
+def run_step(planner, step, drafter):
+    """One step as a host runs it: the planner's plan, one drafter call, the tokens kept."""
+    plan = planner.plan(step)
+    found = drafter(plan.caps, plan.min_prob)
+    return found, planner.keep(step, found)
 
 
 def _drafter(p):
@@ -70,11 +76,11 @@ def test_tail_drafts_refuses_bad_settings(bad):
 def test_a_lone_tail_row_with_high_acceptance_drafts_beyond_16_at_a_linear_cpu_price():
     planner = _planner()
     draft = _drafter(0.995)
-    _, full = planner.decide(StepView(np.full(32, K)), draft)
+    _, full = run_step(planner, StepView(np.full(32, K)), draft)
     assert 0 < full.max() <= BATCH_DRAFT
-    _, lone = planner.decide(StepView(np.full(1, K)), draft)
+    _, lone = run_step(planner, StepView(np.full(1, K)), draft)
     assert lone.tolist() == [K]  # each token of the last row saves ~c_base: all 32 pay
-    _, poor = planner.decide(StepView(np.full(1, K)), _drafter(0.6))
+    _, poor = run_step(planner, StepView(np.full(1, K)), _drafter(0.6))
     assert poor[0] <= BATCH_DRAFT  # a draft that dies out fast pays for few tokens, K or not
 
 
@@ -94,7 +100,7 @@ def test_a_lone_tail_row_drafts_beyond_16_at_a_knee_price():
        name=st.sampled_from(["cost", "fixed"]))
 def test_a_full_batch_never_drafts_more_than_16_per_row_at_a_linear_price(rows, c_base, c_tok, p, name):
     planner = _planner(name, (c_base, c_tok))
-    _, kept = planner.decide(StepView(np.full(rows, K)), _drafter(p))
+    _, kept = run_step(planner, StepView(np.full(rows, K)), _drafter(p))
     assert kept.max() <= BATCH_DRAFT
 
 
@@ -102,5 +108,5 @@ def test_the_simulator_applies_the_same_rule():
     """SimBudget limits each re-plan's caps by the same TailDrafts: a priced budget's lone tail
     row may get K, a full batch 16; ``fixed`` keeps 16 everywhere."""
     for name, tail_cap in (("cost", K), ("fixed", BATCH_DRAFT)):
-        b = makesim_budget(name, None, K, {"c_base": 0.01, "c_tok": 1e-5})
+        b = make_sim_budget(name, None, K, {"c_base": 0.01, "c_tok": 1e-5})
         assert b.tail.cap(256) == BATCH_DRAFT and b.tail.cap(1) == tail_cap

@@ -533,7 +533,22 @@ def load_problems(spec: str | os.PathLike | None, limit: int | None = None, *,
     """
     from integrations.data.registry import resolve
 
-    return resolve(spec, data_dir).load(limit)
+    return load_source(resolve(spec, data_dir), limit)
+
+
+def load_source(source: Any, limit: int | None = None) -> list[Problem]:
+    """The problems of a :class:`integrations.data.registry.Source`, in file order (at most ``limit``).
+
+    Raises:
+        ValueError: an unknown format, or the file is not of its format.
+    """
+    if source.format == "embedded":
+        return load_embedded(source.name, limit)
+    loaders = {"verl-parquet": load_verl_parquet, "rllm-leetcode-json": load_leetcode_json,
+               "leetcodedataset-jsonl": load_leetcodedataset_jsonl}
+    if source.format not in loaders:
+        raise ValueError(f"unknown data format {source.format!r}; expected 'embedded' or one of {sorted(loaders)}")
+    return loaders[source.format](source.path, limit)
 
 
 def problem_set_name(spec: str | os.PathLike | None) -> str:

@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 __all__ = ["DataSet", "DATASETS", "FORMATS", "DataNotFoundError", "data_dir_from_env", "get", "names", "lookup",
            "package_file", "hub_file", "download", "resolve", "DATA_ENV"]
@@ -87,13 +85,6 @@ class DataSet:
     def reward(self) -> str:
         """The reward that scores it: ``"math"`` (math-verify on the boxed answer) or ``"code"`` (sandboxed unit tests)."""
         return self.kind
-
-
-def _loaders() -> dict[str, Callable[..., list]]:
-    from integrations.data import problems
-
-    return {"verl-parquet": problems.load_verl_parquet, "rllm-leetcode-json": problems.load_leetcode_json,
-            "leetcodedataset-jsonl": problems.load_leetcodedataset_jsonl}
 
 
 #: How a file is read, by format: (file suffix, what it holds). Loaders are in :mod:`integrations.data.problems`.
@@ -209,19 +200,11 @@ def download(name: str) -> Path:
 @dataclasses.dataclass(frozen=True)
 class Source:
     """Where a spec's problems are read: ``format`` (a key of :data:`FORMATS`, or ``"embedded"``) and ``path``
-    (None for an embedded set, whose ``name`` says which)."""
+    (None for an embedded set, whose ``name`` says which); :func:`integrations.data.problems.load_source` reads it."""
 
     name: str
     format: str
     path: Path | None = None
-
-    def load(self, limit: int | None = None) -> list[Any]:
-        """The problems (:class:`integrations.data.problems.Problem`), in file order."""
-        if self.format == "embedded":
-            from integrations.data.problems import load_embedded
-
-            return load_embedded(self.name, limit)
-        return _loaders()[self.format](self.path, limit)
 
 
 def resolve(spec: str | os.PathLike | None, data_dir: str | os.PathLike | None = None) -> Source:

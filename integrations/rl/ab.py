@@ -79,19 +79,21 @@ def method_recipe(rec: Recipe, method: str) -> Recipe:
     return load_recipe(rec.to_dict(), over)
 
 
-def compare(rec: Recipe, methods: Sequence[str], *, reward_fn: Callable[[Sequence[Any], Sequence[str]], Sequence[Any]] | None = None,
-            progress: bool = True) -> dict[str, Any]:
+def compare(rec: Recipe, methods: Sequence[str], policy_run: Callable[[Recipe, Any], Any], *,
+            reward_fn: Callable[[Sequence[Any], Sequence[str]], Sequence[Any]] | None = None, progress: bool = True) -> dict[str, Any]:
     """Train ``rec`` once per method, side by side (see the module doc); returns the report.
 
     Args:
         rec: the recipe (its ``speculative.method`` is replaced by each of ``methods``).
         methods: two or more speculative methods (:func:`parse_methods`); the first is the baseline.
+        policy_run: ``policy_run(recipe, workload)`` builds one method's run
+            (:class:`integrations.rl.grpo.PolicyRun`, passed in by the ``das-grpo`` CLI, which this
+            module lies above: the GRPO loop does not import its A/B).
         reward_fn: as :func:`integrations.rl.grpo.run`'s.
         progress: a progress bar on stderr.
     """
     import torch
 
-    from integrations.rl.grpo import PolicyRun
     from integrations.rl.workload import Scorer, plan_workload
     from integrations.vllm_ext.cpu_runtime import RuntimeSettings, read_cpu_info
 
@@ -116,7 +118,7 @@ def compare(rec: Recipe, methods: Sequence[str], *, reward_fn: Callable[[Sequenc
     t0 = time.perf_counter()
     try:
         for m in methods:
-            runs[m] = PolicyRun(recs[m], work)
+            runs[m] = policy_run(recs[m], work)
         for m in methods:  # after every engine is built: the first timed step pays no one-off cost
             runs[m].warm_up()
         for step in range(rec.steps):
@@ -286,10 +288,13 @@ def plot_report(report: dict[str, Any], path: str | Path) -> Path | None:
     return save_figure(fig, path)
 
 
-def main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``das-grpo --compare``: check the methods, output paths and recipe (``p.error``, exit status 2), run, print, write."""
+def main(p: argparse.ArgumentParser, args: argparse.Namespace, check_recipe: Callable[[argparse.ArgumentParser, argparse.Namespace], Recipe],
+         policy_run: Callable[[Recipe, Any], Any]) -> int:
+    """``das-grpo --compare``: check the methods, output paths and recipe (``p.error``, exit status 2), run, print, write.
+
+    ``check_recipe`` and ``policy_run``: :func:`integrations.rl.grpo.check_recipe` and
+    :class:`integrations.rl.grpo.PolicyRun`, given by the CLI (:func:`integrations.rl.grpo.main`)."""
     from integrations.results import check_output_path, write_atomic
-    from integrations.rl.grpo import check_recipe
     from integrations.vllm_ext.engine import drop_unavailable
 
     try:
@@ -312,7 +317,7 @@ def main(p: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             except ValueError as exc:
                 p.error(f"--json: {exc}")
     rec = check_recipe(p, args)
-    report = compare(rec, methods, progress=rec.log.progress)
+    report = compare(rec, methods, policy_run, progress=rec.log.progress)
     print(format_report(report))
     if args.json:
         write_atomic(args.json, json.dumps(report, indent=1, default=_jsonable))

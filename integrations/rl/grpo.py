@@ -66,12 +66,12 @@ _KV_ENV = "VLLM_CPU_KVCACHE_SPACE"
 
 def request_caps(rec: Recipe, budget: str | None = None) -> Any:
     """The per-request draft caps of the recipe's ``scheduler.budget`` (or of ``budget``): a
-    :class:`scheduler.speculation.RequestCaps` (``caps(problem_ids)`` before a step,
+    :class:`scheduler.budgets.RequestCaps` (``caps(problem_ids)`` before a step,
     ``observe(version, problem_ids, lengths)`` after it), or None: no per-request caps."""
     name = rec.scheduler.budget if budget is None else budget
     if name is None:
         return None
-    from scheduler.speculation import RequestCaps
+    from scheduler.budgets import RequestCaps
 
     s = rec.scheduler
     return RequestCaps(name, max_tokens=rec.rollout.max_tokens, max_draft=rec.speculative.num_speculative_tokens or 16, window=s.window,
@@ -407,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         from integrations.rl import ab
 
-        return ab.main(p, args)
+        return ab.main(p, args, check_recipe, PolicyRun)
     res = run(check_recipe(p, args))
     print(format_steps(res.steps))
     print(json.dumps(res.summary))

@@ -7,15 +7,17 @@ and builds ``speculative_config`` for ``none``, ``das``, ``ngram`` (vLLM prompt 
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from das.config import STEP_LOG_ENV
 from integrations.vllm_ext import cpu_runtime
 
 METHODS = ("none", "das", "ngram", "suffix", "suffix-bs")
 PROPOSER_CLASS = "integrations.vllm_ext.proposer.DASProposer"
 # Default K (most draft tokens per row and step). ngram: vLLM's usual prompt-lookup setting;
 # suffix: arctic-inference's own default; das: 16, as suffix, so acceptance compares. A larger K lets
-# the priced budgets draft up to K per row in the long tail (scheduler.tail_drafts); at 32 it made
+# the priced budgets draft up to K per row in the long tail (scheduler.planner); at 32 it made
 # the DSR-sub long tail slower on a CPU (docs/benchmarks.md, "The long tail").
 DEFAULT_NUM_SPEC_TOKENS = {"das": 16, "ngram": 4, "suffix": 16, "suffix-bs": 16}
 # ``suffix-bs``: vLLM suffix decoding with vLLM's own batch-size schedule
@@ -69,7 +71,9 @@ def make_llm(
         model: local Hugging Face model directory.
         method: ``none`` | ``das`` | ``ngram`` | ``suffix``.
         num_speculative_tokens: K (see :func:`speculative_config`).
-        das_config: DAS drafter settings (``additional_config['das']``), das only.
+        das_config: DAS drafter settings (``additional_config['das']``), das only. Without a
+            ``step_log`` key, the environment variable ``DAS_STEP_LOG`` (:data:`das.config.STEP_LOG_ENV`)
+            gives the step log's path.
         dtype: model dtype; None decides it from the CPU (:func:`integrations.vllm_ext.cpu_runtime.decide`;
             ``bfloat16`` on CUDA); float32 for token-for-token greedy identity tests.
         max_model_len: tokens (prompt + output) per request.
@@ -83,6 +87,9 @@ def make_llm(
     spec = speculative_config(method, num_speculative_tokens)
     if das_config and method != "das":
         raise ValueError(f"das_config applies to method 'das' only, got method {method!r}")
+    step_log = os.environ.get(STEP_LOG_ENV)
+    if method == "das" and step_log and "step_log" not in (das_config or {}):
+        das_config = {**(das_config or {}), "step_log": step_log}  # the entry point's override: the proposer reads no environment
     if method in ("suffix", "suffix-bs"):
         try:
             import arctic_inference  # noqa: F401

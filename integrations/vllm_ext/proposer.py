@@ -25,8 +25,15 @@ Per-request options ride on ``SamplingParams.extra_args`` (``das_problem_id``, `
 decided per step is the :class:`scheduler.planner.StepPlanner`'s; this module maps rows to
 requests, keeps their state, counts, isolates failures and writes the step log.
 
-Step log: with ``DAS_STEP_LOG`` set to a file path, every clean decode step is appended to it as
-one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens, accepted draft tokens and what
+One step reads top to bottom in :meth:`DASProposer._propose`: reconcile the rows' tokens and
+verification outcomes, record the step that just ended (:meth:`StepPlanner.record_step`), ask the
+planner for this step's plan (:meth:`StepPlanner.plan`), run the drafter once with it, and ask
+which drafted tokens the step verifies (:meth:`StepPlanner.keep`). Counters are the planner's one
+:class:`scheduler.planner.StepStats` (``stats``).
+
+Step log: with ``step_log`` set to a file path (``additional_config['das']['step_log']``;
+:func:`integrations.vllm_ext.engine.make_llm` also takes it from ``DAS_STEP_LOG``), every clean
+decode step is appended to it as one JSON line (:data:`STEP_LOG_FIELDS`): its rows, draft tokens, accepted draft tokens and what
 its drafts' calibrated probabilities predicted, its seconds, whether the cost fit used it
 (``false``: an idle gap or a warm-up step) and the step price fitted after it (``null`` before one
 exists; ``knee``: tokens verified below which drafts are free, 0 for the line; ``c_ctx``: seconds
@@ -36,13 +43,11 @@ share one file).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
 import sys
 import time
-import weakref
 from itertools import repeat
 from typing import Any
 
@@ -58,41 +63,19 @@ from scheduler.planner import StepPlanner
 
 logger = logging.getLogger(__name__)
 
-# Live proposers of this process, so an in-process driver can reach them (tests, tools).
-_INSTANCES: weakref.WeakSet[DASProposer] = weakref.WeakSet()
-
 BUDGETS = budgets.names("proposer")  # the budgets that run here (scheduler.budgets)
 STEP_LOG_FIELDS = ("pid", "t", "rows", "draft_tokens", "accepted", "predicted", "seconds", "step_tokens", "context_tokens",
-                   "fitted", "c_base", "c_row", "c_draft", "c_spec", "c_ctx", "knee", "payoff_scale")  # one JSON line per clean step (DAS_STEP_LOG)
+                   "fitted", "c_base", "c_row", "c_draft", "c_spec", "c_ctx", "knee", "payoff_scale")  # one JSON line per clean step (step_log)
 
 
-@dataclasses.dataclass
-class ProposerStats:
-    """Counters of one proposer since it was built (the planner counts the four of its steps)."""
-
-    steps: int = 0  # propose() calls
-    fitted_steps: int = 0  # steps whose drafts were kept by the fitted (or given) price
-    skipped_steps: int = 0  # steps the price ruled out drafting for (no drafter lookups at all)
-    cut_steps: int = 0  # steps whose drafts stopped at the step's price, above the drafter's own cutoff
-    recut_steps: int = 0  # of those, steps whose guessed cutoff the selection refused: drafted again at the safe one
-    rows: int = 0  # rows seen, all steps
-    drafts: int = 0  # rows that got a non-empty draft
-    draft_tokens: int = 0
-    failures: int = 0  # propose() calls that raised and returned empty drafts
-    bad_requests: int = 0  # requests with bad extra_args: no drafts for them, nothing in the drafter
-    propose_s: float = 0.0  # wall seconds inside propose()
-
-    def as_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
-
-
-def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any], str | None]:
     """Check the ``das`` section of vLLM's ``additional_config`` against :class:`das.config.DASConfig`.
 
     Returns:
-        ``(drafter_kwargs, budget_kwargs)``: every :class:`das.drafter.DASDrafter` argument (defaults
-        filled in) and the step-budget settings ``budget`` (one of :data:`BUDGETS`) and, when
-        given, ``c_base`` and ``c_tok`` (seconds).
+        ``(drafter_kwargs, budget_kwargs, step_log)``: every :class:`das.drafter.DASDrafter`
+        argument (defaults filled in), the step-budget settings ``budget`` (one of
+        :data:`BUDGETS`) and, when given, ``c_base`` and ``c_tok`` (seconds), and the step log's
+        path (None: no step log).
 
     Raises:
         ValueError: the section is not a mapping, has unknown keys or bad values; the message names
@@ -104,7 +87,7 @@ def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any
         budgets.resolve(budget["budget"], "proposer")
     except ValueError as exc:
         raise ValueError(f"additional_config['das']['budget']: {exc}") from None
-    return cfg.drafter_kwargs(), budget
+    return cfg.drafter_kwargs(), budget, cfg.step_log
 
 
 def _find_model_runner() -> Any | None:
@@ -135,7 +118,7 @@ class DASProposer:
     def __init__(self, vllm_config: Any, runner: Any | None = None):
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
         self.max_model_len = int(vllm_config.model_config.max_model_len)
-        drafter_cfg, budget_cfg = das_section(getattr(vllm_config, "additional_config", None))
+        drafter_cfg, budget_cfg, step_log = das_section(getattr(vllm_config, "additional_config", None))
         if drafter_cfg.get("defer_global") is None:  # the global tree's appends overlap a GPU's forward pass
             from integrations.vllm_ext.cpu_runtime import is_cpu_build
 
@@ -147,11 +130,10 @@ class DASProposer:
         # Until the cost model is fitted, eq7 leaves the rows' own caps: the drafts spread the step sizes the fit needs.
         setting = budgets.BudgetSetting(max_draft=self.k, cost=cost, draft_while_unfitted=True)
         budget = budgets.make_budget(budget_cfg["budget"], "proposer", setting)
-        self.stats = ProposerStats()
-        path = os.environ.get("DAS_STEP_LOG")
-        self._step_log = open(path, "a", buffering=1) if path else None  # line-buffered: one write per step
-        self.planner = StepPlanner(budget, cost=cost, given_costs=given, stats=self.stats,
-                                   step_log=self._log_step if self._step_log is not None else None, max_draft=self.k)
+        self._step_log = open(step_log, "a", buffering=1) if step_log else None  # line-buffered: one write per step
+        self.planner = StepPlanner(budget, cost=cost, given_costs=given, step_log=self._log_step if self._step_log is not None else None,
+                                   max_draft=self.k)
+        self.stats = self.planner.stats  # one counter object: the planner's decisions and this adapter's own
         self._last_drafted = 0  # draft tokens verified in the step now running
         self.lengths = LengthHistory()  # the length-aware budgets' history of finished rollouts
         self.runner = runner if runner is not None else _find_model_runner()
@@ -161,7 +143,6 @@ class DASProposer:
         self._slot_of: dict[str, int] = {}  # live request id -> its slot in self._state
         self._state = RequestState(self.k)
         self._last_error_log = 0.0
-        _INSTANCES.add(self)
 
     @staticmethod
     def _warm_up(drafter_cfg: dict[str, Any]) -> None:
@@ -251,7 +232,9 @@ class DASProposer:
         caps[live] = np.minimum(caps[live], st.cap[live_slots])  # the request's own das_max_draft_tokens
         view = StepView(caps, live, facts=lambda: self._facts(live_slots, live, req_ids), accepted=st.accepted[live_slots],
                         predicted=st.predicted[live_slots])
-        found, n = self.planner.decide(view, lambda c, min_prob: self._speculate(live, c, req_ids, min_prob), self.drafter.min_token_prob)
+        plan = self.planner.plan(view, self.drafter.min_token_prob)
+        found = self._speculate(live, plan.caps, req_ids, plan.min_prob)
+        n = self.planner.keep(view, found)
         drafting = st.offered(slots, live, n, found.probs, self.planner.acceptance)
         total = int(n.sum())
         self._last_drafted += total
@@ -342,5 +325,5 @@ class DASProposer:
         self.drafter.begin_iteration(policy_version)
 
     def snapshot(self) -> dict[str, Any]:
-        """Proposer counters, the planner's fits and calibration, and drafter memory statistics."""
+        """The step counters, the planner's fits and calibration, and drafter memory statistics."""
         return {**self.stats.as_dict(), **self.planner.snapshot(), **{f"drafter_{k}": v for k, v in self.drafter.stats().items()}}

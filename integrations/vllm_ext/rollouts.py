@@ -29,10 +29,10 @@ from typing import Any
 
 import numpy as np
 
-# The DAS proposer's cumulative counters (``integrations.vllm_ext.proposer.ProposerStats``): a
-# batch reports how much each grew during it; every other snapshot entry is reported as it stands.
-PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "recut_steps", "rows", "drafts", "draft_tokens", "failures",
-                     "bad_requests", "propose_s")
+# The DAS proposer's cumulative counters (``scheduler.planner.StepStats``): a batch reports how
+# much each grew during it; every other snapshot entry is reported as it stands.
+PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "rows", "drafts", "draft_tokens", "failures", "bad_requests",
+                     "propose_s")
 
 _ids = itertools.count()  # request ids on vLLM versions without ``LLM.enqueue``
 
@@ -197,7 +197,8 @@ def generate_rollouts(
 
     from integrations.vllm_ext import control
     from integrations.vllm_ext.engine import spec_counters
-    from integrations.vllm_ext.patches.coupled_sampling import KEY_ARG, enable, rollout_key
+    from integrations.vllm_ext.patches import enable_coupled_sampling
+    from integrations.vllm_ext.patches.coupled_sampling import KEY_ARG, rollout_key
 
     counts = [int(samples)] * len(prompts) if np.ndim(samples) == 0 else [int(s) for s in samples]
     for name, seq in (("problem_ids", problem_ids), ("samples", counts), ("draft_caps", draft_caps)):
@@ -210,7 +211,7 @@ def generate_rollouts(
 
         if (why := unsupported_reason()) is not None:  # never a silent run without it
             raise RuntimeError(why)
-        enable(llm)
+        enable_coupled_sampling(llm)
     reqs, params, slots = [], [], []
     for i, (p, pid) in enumerate(zip(prompts, problem_ids)):
         extra: dict[str, Any] = {"das_problem_id": str(pid)}

@@ -35,7 +35,6 @@ then from a plain one (docs/benchmarks.md, "Evidence from code comments"); in fl
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -253,39 +252,6 @@ def unsupported_reason() -> str | None:
     if version not in PATCH.versions:
         return f"coupled sampling was tested on vLLM {', '.join(PATCH.versions)}, and this is vLLM {version}"
     return None
-
-
-def _install_in_worker(worker: Any) -> bool:
-    from integrations.vllm_ext import patches
-
-    return PATCH.name in patches.apply(features=(PATCH.name,))
-
-
-def enable(llm: Any) -> list[bool]:
-    """Switch coupled sampling on in every worker of ``llm`` (a ``vllm.LLM``), through ``collective_rpc``.
-
-    Returns:
-        per worker, whether it is on there (False where vLLM runs as shipped: another version or
-        a CUDA build, where the keys are ignored; :func:`integrations.vllm_ext.patches.apply` logs
-        why); empty when the workers run in other processes and got the feature at their start
-        from ``DAS_VLLM_FEATURES``.
-
-    Raises:
-        RuntimeError: the workers run in other processes, vLLM will not send them a function
-            (``VLLM_ALLOW_INSECURE_SERIALIZATION`` unset), and ``DAS_VLLM_FEATURES`` does not name
-            the feature: start the engine with ``DAS_VLLM_FEATURES=coupled_sampling`` instead.
-    """
-    try:
-        return list(llm.collective_rpc(_install_in_worker))
-    except TypeError as exc:  # vLLM's message encoder refuses a function for a worker in another process
-        if "serializ" not in str(exc):
-            raise
-        from integrations.vllm_ext.patches import FEATURES_ENV
-
-        if PATCH.name in os.environ.get(FEATURES_ENV, "").replace(" ", "").split(","):
-            return []
-        raise RuntimeError(f"coupled sampling: this engine's workers run in other processes and vLLM will not send them "
-                           f"a function; start the engine with {FEATURES_ENV}={PATCH.name} in the environment") from exc
 
 
 PATCH = Patch(

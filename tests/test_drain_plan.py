@@ -1,24 +1,110 @@
-"""Acceptance model (Eq. 3-4), Eq. 7 / Eq. 9 plans, step rule, class caps, the scheduler facade."""
+"""The drain plan (scheduler.drain_plan): the Eq. 1 cost line, the acceptance model it plans with (Eq. 3-4), Eq. 7 / Eq. 9 plans, the step rule, class caps."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from scheduler import (
-    ClassBudget,
-    CostModel,
-    Eq7Solver,
-    SpeculationScheduler,
-    estimate_acceptance,
-    forward_passes,
-    optimal_proposals,
-    solve_n_fwd,
-    tokens_per_step,
-)
-from scheduler.eq7 import step_saves_time
+from scheduler.acceptance import estimate_acceptance, forward_passes, tokens_per_step
+from scheduler.drain_plan import CostModel, DrainPlanSolver, optimal_proposals, solve_n_fwd, step_saves_time
+from scheduler.length_classes import ClassBudget
 
-C_BASE, C_TOK = 6.3e-3, 23.8e-6
+C_BASE, C_TOK, C_CTX = 6.3e-3, 23.8e-6, 21.4e-9
+
+
+def test_fit_recovers_known_constants_from_noisy_steps():
+    rng = np.random.default_rng(0)
+    cm = CostModel()
+    n = rng.integers(1, 4096, 500)
+    t = (C_BASE + C_TOK * n) * np.exp(0.05 * rng.standard_normal(n.size))
+    for i in range(0, n.size, 7):  # arrives in chunks, as from an engine
+        cm.observe(n[i : i + 7], t[i : i + 7])
+    assert cm.ready and cm.n_samples == 500
+    assert cm.c_base == pytest.approx(C_BASE, rel=0.05)
+    assert cm.c_tok == pytest.approx(C_TOK, rel=0.03)
+    assert cm.predict(1000) == pytest.approx(C_BASE + 1000 * C_TOK, rel=0.02)
+    assert cm.predict(np.array([1, 10])).shape == (2,)
+
+
+def test_fit_with_context_term():
+    rng = np.random.default_rng(1)
+    cm = CostModel(use_context=True)
+    n = rng.integers(1, 4096, 400)
+    ctx = rng.integers(0, 2_000_000, 400)
+    cm.observe(n, C_BASE + C_TOK * n + C_CTX * ctx, ctx)
+    c = cm.coefficients()
+    assert c["c_base"] == pytest.approx(C_BASE, rel=1e-6)
+    assert c["c_tok"] == pytest.approx(C_TOK, rel=1e-6)
+    assert c["c_ctx"] == pytest.approx(C_CTX, rel=1e-6)
+
+
+def test_not_ready_before_min_samples_or_without_spread():
+    cm = CostModel(min_samples=16)
+    assert not cm.ready and cm.coefficients() is None
+    with pytest.raises(RuntimeError, match="not fitted"):
+        _ = cm.c_base
+    cm.observe(np.full(100, 256), np.full(100, 0.02))  # one n_tokens value: c_base and c_tok inseparable
+    assert not cm.ready
+    cm.observe(np.arange(1, 10), C_BASE + C_TOK * np.arange(1, 10))
+    assert cm.ready
+
+
+def test_prior_is_used_then_outweighed():
+    cm = CostModel(prior=(0.01, 1e-4), prior_weight=1.0)
+    assert cm.ready and cm.c_base == pytest.approx(0.01) and cm.c_tok == pytest.approx(1e-4)
+    n = np.random.default_rng(2).integers(1, 4096, 20000)
+    cm.observe(n, C_BASE + C_TOK * n)
+    assert cm.c_base == pytest.approx(C_BASE, rel=0.05) and cm.c_tok == pytest.approx(C_TOK, rel=0.01)
+
+
+def test_forgetting_tracks_a_change_and_coefficients_stay_non_negative():
+    cm = CostModel(forgetting=0.99)
+    n = np.tile(np.arange(1, 200), 5)
+    cm.observe(n, 0.01 + 1e-5 * n)
+    cm.observe(n, 0.002 + 5e-5 * n)  # the engine changed
+    assert cm.c_base == pytest.approx(0.002, rel=0.05) and cm.c_tok == pytest.approx(5e-5, rel=0.05)
+    neg = CostModel()
+    neg.observe(np.arange(1, 50), 0.05 - 1e-4 * np.arange(1, 50))  # falling times: no valid slope
+    assert neg.c_tok == 0.0 and neg.c_base > 0
+
+
+def test_bad_input_raises_value_error():
+    with pytest.raises(ValueError, match="forgetting"):
+        CostModel(forgetting=0.0)
+    with pytest.raises(ValueError, match="min_samples"):
+        CostModel(min_samples=1)
+    with pytest.raises(ValueError, match="prior"):
+        CostModel(prior=(1.0,))
+    cm = CostModel()
+    with pytest.raises(ValueError, match="seconds"):
+        cm.observe([10], [0.0])
+    with pytest.raises(ValueError, match="n_tokens"):
+        cm.observe([-1], [0.1])
+    with pytest.raises(ValueError, match="shapes"):
+        cm.observe([1, 2], [0.1])
+
+
+@pytest.mark.parametrize("use_context", [False, True])
+def test_one_step_as_numbers_adds_the_same_sums_as_an_array(use_context):
+    # The proposer observes one step at a time as plain numbers (the fast path); the fit must be
+    # the one the array path gives for the same steps, forgetting included.
+    rng = np.random.default_rng(3)
+    one, arrays = CostModel(use_context=use_context, forgetting=0.99), CostModel(use_context=use_context, forgetting=0.99)
+    for _ in range(300):
+        n, ctx = int(rng.integers(1, 64)), int(rng.integers(0, 50_000))
+        t = C_BASE + C_TOK * n + C_CTX * ctx + float(rng.normal()) * 1e-4
+        one.observe(n, abs(t), np.int64(ctx))
+        arrays.observe(np.array([n]), np.array([abs(t)]), np.array([ctx]))
+    np.testing.assert_allclose(one._xtx, arrays._xtx, rtol=1e-12)
+    np.testing.assert_allclose(one._xty, arrays._xty, rtol=1e-12)
+    assert one.n_samples == arrays.n_samples == 300
+    assert one.coefficients() == pytest.approx(arrays.coefficients(), rel=1e-9)
+    with pytest.raises(ValueError, match="seconds"):
+        one.observe(10, float("nan"))
+    with pytest.raises(ValueError, match="n_tokens"):
+        one.observe(-1, 0.1)
+    with pytest.raises(ValueError, match="context_tokens"):
+        one.observe(1, 0.1, -5)
 
 
 # ---------------------------------------------------------------- Eq. 3-4 per step
@@ -83,10 +169,10 @@ def test_more_expensive_tokens_mean_less_speculation():
 
 
 def test_eq7_solver_caps_units_and_unready_cost_model():
-    b = Eq7Solver(CostModel(), max_draft=8)
+    b = DrainPlanSolver(CostModel(), max_draft=8)
     r = np.array([100.0, 15000.0])
     assert b.caps(r, np.full(2, 0.6), np.ones(2)).tolist() == [0, 0]  # not fitted: no speculation
-    b = Eq7Solver(CostModel(prior=(C_BASE, C_TOK)), max_draft=8, seed=None)
+    b = DrainPlanSolver(CostModel(prior=(C_BASE, C_TOK)), max_draft=8, seed=None)
     caps = b.caps(r, np.full(2, 0.6), np.ones(2))
     assert caps.dtype == np.int32 and caps[0] == 0 and 0 < caps[1] <= 8
     assert b.last_plan.n_fwd < 15000
@@ -98,7 +184,7 @@ def test_eq7_solver_caps_units_and_unready_cost_model():
 
 def test_per_request_cost_makes_non_critical_requests_draft_at_their_cheapest_rate():
     cm = CostModel(prior=(C_BASE, C_TOK))
-    b = Eq7Solver(cm, max_draft=16, seed=None)
+    b = DrainPlanSolver(cm, max_draft=16, seed=None)
     r = np.array([200.0, 16000.0])
     k, a = np.full(2, 0.6), np.ones(2)
     assert b.caps(r, k, a)[0] == 0
@@ -120,18 +206,18 @@ def test_step_rule():
 
 
 def test_eq7_applies_the_step_rule(monkeypatch):
-    import scheduler.eq7 as eq7
+    import scheduler.drain_plan as drain_plan
 
     cm = CostModel(prior=(C_BASE, C_TOK))
     r, k, a = np.array([100.0, 16000.0]), np.full(2, 0.6), np.ones(2)
-    assert Eq7Solver(cm, seed=None).caps(r, k, a)[1] > 0
-    monkeypatch.setattr(eq7, "step_saves_time", lambda *args, **kw: False)
-    plan = Eq7Solver(cm, seed=None).solve(r, k, a)
+    assert DrainPlanSolver(cm, seed=None).caps(r, k, a)[1] > 0
+    monkeypatch.setattr(drain_plan, "step_saves_time", lambda *args, **kw: False)
+    plan = DrainPlanSolver(cm, seed=None).solve(r, k, a)
     assert plan.step_rule_fired and plan.caps.tolist() == [0, 0] and plan.rate[1] > 0
-    assert Eq7Solver(cm, seed=None, step_rule=False).caps(r, k, a)[1] > 0
+    assert DrainPlanSolver(cm, seed=None, step_rule=False).caps(r, k, a)[1] > 0
 
 
-# ---------------------------------------------------------------- class budgets and facade
+# ---------------------------------------------------------------- class budgets
 def test_class_budget():
     cb = ClassBudget(long=12, medium=3, short=0)
     assert cb.caps_of([0, 1, 2, 2]).tolist() == [0, 3, 12, 12]
@@ -141,44 +227,3 @@ def test_class_budget():
         ClassBudget(long=-1)
     with pytest.raises(ValueError, match="classes"):
         cb.caps_of([3])
-
-
-def test_speculation_scheduler_budgets(length_history):
-    pred = length_history
-    idx = pred.index(["short0", "long0", "short1", "long1"])
-    g = np.zeros(4)
-    zeros = np.zeros(4)
-    assert SpeculationScheduler("none").caps(idx, g, zeros, zeros, zeros).tolist() == [0] * 4
-    assert SpeculationScheduler("fixed", max_draft=7).caps(idx, g, zeros, zeros, zeros).tolist() == [7] * 4
-    with pytest.raises(ValueError, match="'unlimited' is now called 'fixed'"):
-        SpeculationScheduler("unlimited")
-    with pytest.raises(ValueError, match="'cost' runs only in the proposer and simulator"):
-        SpeculationScheduler("cost")
-    cls = SpeculationScheduler("class", predictor=pred).caps(idx, g, zeros, zeros, zeros)
-    assert cls.tolist() == [0, 16, 0, 16]
-    eq7 = SpeculationScheduler("eq7", predictor=pred, cost=CostModel(prior=(C_BASE, C_TOK)), seed=None)
-    caps = eq7.caps(idx, g, zeros, zeros, zeros)
-    assert caps[0] == caps[2] == 0 and caps[1] > 0 and caps[3] > 0
-    unfitted = SpeculationScheduler("eq7", predictor=pred)
-    assert unfitted.caps(idx, g, zeros, zeros, zeros).tolist() == [0] * 4
-    n = np.arange(1, 100)
-    unfitted.observe_step(n, C_BASE + C_TOK * n)
-    assert unfitted.caps(idx, g, zeros, zeros, zeros)[1] > 0
-    with pytest.raises(ValueError, match="unknown budget 'fast'"):
-        SpeculationScheduler("fast")
-    with pytest.raises(ValueError, match="LengthPredictor"):
-        SpeculationScheduler("class")
-
-
-def test_static_budgets_per_problem(length_history):
-    from scheduler import static_budgets
-
-    pred = length_history
-    ids = ["short0", "long0", "unseen"]
-    assert static_budgets(ids, pred, "class").tolist()[:2] == [0, 16]
-    assert static_budgets(ids, pred, "none").tolist() == [0, 0, 0]
-    assert static_budgets(ids, pred, "eq7").tolist() == [0, 0, 0]  # no fitted cost model
-    b = static_budgets(ids, pred, "eq7", cost=CostModel(prior=(C_BASE, C_TOK)), samples_per_problem=16)
-    assert b[0] == 0 and b[1] > 0 and b.dtype == np.int32
-    with pytest.raises(ValueError, match="samples_per_problem"):
-        static_budgets(ids, pred, "eq7", samples_per_problem=0)

@@ -1,4 +1,5 @@
-"""Per-step draft selection at a step price (scheduler.draft_selection), as hypothesis properties."""
+"""Priced budgets' draft selection and makespan values (scheduler.priced_budgets), as hypothesis properties and cases."""
+
 
 import itertools
 
@@ -7,17 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler.calibration import AcceptanceCalibration
-from scheduler.draft_selection import (
-    choose_drafts,
-    cut_kept_the_same,
-    keep_bound,
-    keep_bounds,
-    never_kept_below,
-    raw_cutoff,
-    raw_cutoffs,
-    select_drafts,
-)
+from scheduler.acceptance import AcceptanceCalibration
+from scheduler.priced_budgets import choose_drafts, drafting_can_pay, keep_bounds, last_finish_probability, raw_cutoffs, token_values
 
 SEEDS = st.integers(0, 2**32 - 1)
 
@@ -30,6 +22,12 @@ def brute_force_best(path_probs, c_base, c_tok):
         gain = rows + sum(float(np.sum(p[:k])) for p, k in zip(path_probs, keep))
         best = max(best, gain / (c_base + c_tok * (rows + sum(keep))))
     return best
+
+
+def on_a_line(path_probs, c_base, c_tok):
+    """:func:`choose_drafts` under one line ``t = c_base + c_tok * tokens`` for both regimes (DAS Eq. 1)."""
+    plain = c_base + c_tok * len(path_probs)
+    return choose_drafts(path_probs, plain, plain, c_tok)
 
 
 @st.composite
@@ -46,7 +44,7 @@ def small_rows(draw):
 @settings(max_examples=100, deadline=None)
 @given(small_rows(), st.floats(0.001, 0.05), st.floats(0.0001, 0.01))
 def test_selection_is_optimal_among_all_prefix_choices(probs, c_base, c_tok):
-    keep = select_drafts(probs, c_base, c_tok)
+    keep = on_a_line(probs, c_base, c_tok)
     rows = len(probs)
     rate = (rows + sum(float(np.sum(p[:k])) for p, k in zip(probs, keep))) / (c_base + c_tok * (rows + keep.sum()))
     assert rate == pytest.approx(brute_force_best(probs, c_base, c_tok))
@@ -70,17 +68,17 @@ def test_a_free_region_below_a_knee_keeps_the_best_prefixes_at_that_price(probs,
 
 def test_large_batches_draft_less_than_small_ones():
     probs = np.array([0.9, 0.7, 0.5, 0.3])
-    small = select_drafts([probs] * 2, c_base=0.02, c_tok=0.0005)
-    large = select_drafts([probs] * 256, c_base=0.02, c_tok=0.0005)
+    small = on_a_line([probs] * 2, c_base=0.02, c_tok=0.0005)
+    large = on_a_line([probs] * 256, c_base=0.02, c_tok=0.0005)
     assert small.sum() / 2 > large.sum() / 256
-    assert select_drafts([np.empty(0)] * 3, 0.01, 0.001).tolist() == [0, 0, 0]
+    assert on_a_line([np.empty(0)] * 3, 0.01, 0.001).tolist() == [0, 0, 0]
 
 
 def test_bad_costs_are_named():
-    with pytest.raises(ValueError, match="c_base"):
-        select_drafts([np.ones(1)], 0.0, 0.1)
-    with pytest.raises(ValueError, match="c_tok"):
-        select_drafts([np.ones(1)], 0.1, -1.0)
+    with pytest.raises(ValueError, match="plain_s"):
+        choose_drafts([np.ones(1)], 0.0, 0.1, 0.1)
+    with pytest.raises(ValueError, match="per_draft_s"):
+        choose_drafts([np.ones(1)], 0.1, 0.1, -1.0)
     with pytest.raises(ValueError, match="free_drafts"):
         choose_drafts([np.ones(1)], 0.1, 0.1, 0.01, free_drafts=-1.0)
 
@@ -141,98 +139,30 @@ def _drafted_down_to(p64, lengths, cuts):
     return np.array([int(np.sum(p64[r, : lengths[r]] >= cuts[r])) for r in range(lengths.shape[0])])
 
 
-@settings(max_examples=300, deadline=None)
-@given(STEPS)
-def test_drafts_cut_at_never_kept_below_keep_the_same_tokens(step):
-    """A drafter that stops at :func:`never_kept_below`'s probability loses only tokens that the
-    selection would have thrown away: the step keeps the same tokens, on every rule, with
-    speculative steps cheaper or dearer than plain ones, and the drafts handed over as float32."""
-    p64, lengths, prices, cal, acc, values = step
-    cut = never_kept_below(lengths.shape[0], *prices, cal, acc.curve(), values)
-    assert 0.0 <= cut <= 1.0
-    short = _drafted_down_to(p64, lengths, cut)
-    p32 = p64.astype(np.float32)
-    full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
-    assert choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=short).tolist() == full.tolist()
-    assert np.all(full <= short)
-
-
-def test_never_kept_below_rises_with_the_price_of_a_draft_token():
-    cuts = [never_kept_below(64, 0.05, 0.05, c) for c in (0.0, 0.0001, 0.0003, 0.0006)]
-    assert cuts[0] == 0.0 and cuts == sorted(cuts) and cuts[-1] < 1.0
-    assert cuts[2] == pytest.approx(64 * 0.0003 / 0.05, rel=1e-5)  # identity map: theta itself
-    assert never_kept_below(64, 0.05, 0.05, 0.001) == 1.0  # no token can pay: nothing to draft
-    assert never_kept_below(64, 0.05, 0.04, 0.0001) == 0.0  # a cheaper speculative step pays for one token at any p
-    assert never_kept_below(4, 0.05, 0.05, 0.001, values=np.array([0.0, 0.01])) == pytest.approx(0.1, rel=1e-5)
-    assert never_kept_below(4, 0.05, 0.05, 0.001, values=np.zeros(4)) == 1.0
-    with pytest.raises(ValueError, match="rows"):
-        never_kept_below(-1, 0.05, 0.05, 0.001)
-    with pytest.raises(ValueError, match="calibration"):
-        never_kept_below(4, 0.05, 0.05, 0.001, calibration=np.array([-1.0, 1.0]))
-
-
 def test_the_random_steps_cut_drafts_that_the_selection_keeps_some_of():
     """The equality properties mean something only where the cut drops tokens from steps that
     keep some: most random steps are of that kind."""
     both = 0
     for seed in range(300):
         p64, lengths, prices, cal, acc, values = _step_of_seed(seed)
-        cut = never_kept_below(lengths.shape[0], *prices, cal, acc.curve(), values)
-        short = _drafted_down_to(p64, lengths, cut)
+        cuts = raw_cutoffs(keep_bounds(lengths.shape[0], *prices, values), cal, acc.curve())
+        short = _drafted_down_to(p64, lengths, cuts)
         kept = choose_drafts(p64.astype(np.float32), *prices, cal, prob_map=acc, values=values, lengths=lengths)
         both += bool(short.sum() < lengths.sum() and kept.sum() > 0)
     assert both >= 75
 
 
 @settings(max_examples=300, deadline=None)
-@given(STEPS, st.floats(1.0, 4.0), st.floats(0.0, 1.0))
-def test_drafts_cut_at_a_guess_keep_the_same_tokens_whenever_the_check_says_so(step, above, anywhere):
-    """A guess above :func:`keep_bound` (the last step's keep threshold, say) cuts more; the
-    selection's ``peak`` then says whether the cut drafts kept what the full ones keep, and
-    when it says so they do (per-row calibration, a learned map, float32 drafts)."""
-    p64, lengths, prices, cal, acc, _ = step
-    bound = keep_bound(lengths.shape[0], *prices)
-    p32 = p64.astype(np.float32)
-    full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths)
-    for theta in (bound * above, anywhere):
-        short = _drafted_down_to(p64, lengths, raw_cutoff(theta, cal, acc.curve()))
-        peak = {}
-        kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
-        if cut_kept_the_same(theta, bound, prices[2], peak):
-            assert kept.tolist() == full.tolist()
-
-
-def test_the_guess_check_passes_often_and_refuses_when_the_cut_lost_kept_tokens():
-    passed = refused_right = lost = 0
-    for seed in range(300):
-        p64, lengths, prices, cal, acc, _ = _step_of_seed(seed)
-        bound = keep_bound(lengths.shape[0], *prices)
-        p32 = p64.astype(np.float32)
-        whole = {}
-        full = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=lengths, peak=whole)
-        theta = max(bound, 0.9 * prices[2] * whole["rate"])  # a guess near the keep threshold, as the last step's
-        short = _drafted_down_to(p64, lengths, raw_cutoff(theta, cal, acc.curve()))
-        peak = {}
-        kept = choose_drafts(p32, *prices, cal, prob_map=acc, lengths=short, peak=peak)
-        ok = cut_kept_the_same(theta, bound, prices[2], peak)
-        passed += ok and short.sum() < lengths.sum() and full.sum() > 0 and theta > bound
-        if kept.tolist() != full.tolist():
-            lost += 1
-            refused_right += not ok
-    assert passed >= 40 and lost > 0 and refused_right == lost
-
-
-@settings(max_examples=300, deadline=None)
 @given(STEPS)
 def test_drafts_cut_per_row_keep_the_same_tokens(step):
     """Each row cut at its own :func:`raw_cutoffs` (its own calibration factor; under the saving
-    rule its own value too) keeps what the full drafts keep, and cuts at least as much as the one
-    cutoff of the largest factor."""
+    rule its own value too) loses only tokens that the selection would have thrown away: the step
+    keeps the same tokens, on every rule, with speculative steps cheaper or dearer than plain
+    ones, and the drafts handed over as float32."""
     p64, lengths, prices, cal, acc, values = step
     rows = lengths.shape[0]
     cuts = raw_cutoffs(keep_bounds(rows, *prices, values), cal, acc.curve())
     assert cuts.shape == (rows,) and np.all((cuts >= 0) & (cuts <= 1))
-    assert np.all(cuts >= never_kept_below(rows, *prices, cal, acc.curve(), values) - 1e-12)
     short = _drafted_down_to(p64, lengths, cuts)
     p32 = p64.astype(np.float32)
     full = choose_drafts(p32, *prices, cal, prob_map=acc, values=values, lengths=lengths)
@@ -247,7 +177,6 @@ def test_raw_cutoffs_invert_the_calibration_row_by_row():
     assert cuts[0] > cuts[1] > cuts[2] and cuts[3] == 1.0  # a row that calibrates lower is cut higher; a zero factor: all
     for c, x in zip(cal[:3], cuts[:3]):
         assert acc(np.array([x]))[0] * c == pytest.approx(0.3, rel=1e-4)  # just below theta once calibrated
-    assert raw_cutoff(0.3, cal, acc.curve()) == pytest.approx(cuts[2])  # one cutoff: the largest factor's
     assert raw_cutoffs(np.array([0.0, 1.0, np.inf]), 1.0, acc.curve()).tolist() == [0.0, 1.0, 1.0]
     with pytest.raises(ValueError, match="theta"):
         raw_cutoffs(-0.1, cal)
@@ -280,3 +209,77 @@ def test_free_drafts_go_to_the_heaviest_rows_first_and_the_price_decides_above_t
     assert cheap.tolist() == [4, 4]  # above the knee the price keeps the rest
     with pytest.raises(ValueError, match="free_weights"):
         choose_drafts(probs, 0.01, 0.01, 1.0, lengths=lengths, free_drafts=4, free_weights=np.array([1.0, -1.0]))
+
+
+def test_rows_the_model_cannot_tell_apart_share_equally():
+    assert last_finish_probability([300.0] * 4, [1000.0] * 4) == pytest.approx([0.25] * 4)
+    # all certain to reach the cap: a four-way tie
+    assert last_finish_probability([5000.0] * 4, [100.0] * 4) == pytest.approx([0.25] * 4)
+    assert last_finish_probability([10.0], [20.0]).tolist() == [1.0]
+    assert last_finish_probability([], []).shape == (0,)
+
+
+def test_two_exponentials_match_the_closed_form():
+    # P(X_b > X_a) for independent exponentials with means a, b is b / (a + b)
+    q = last_finish_probability([300.0, 600.0], [1e6, 1e6], grid=4096)
+    assert q == pytest.approx([1 / 3, 2 / 3], abs=0.01)
+
+
+def test_longer_predictions_and_more_room_finish_last_more_often():
+    q = last_finish_probability([200.0] * 31 + [600.0], [900.0] * 32)
+    assert q.sum() == pytest.approx(1.0)
+    assert q[-1] > 5 * q[0]
+    assert np.allclose(q[:-1], q[0])
+    # the same mean, but one row is nearly at its cap: it cannot be the last
+    q = last_finish_probability([300.0, 300.0], [5.0, 900.0])
+    assert q[1] > 0.95
+
+
+def test_many_rows_do_not_underflow():
+    rng = np.random.default_rng(0)
+    q = last_finish_probability(rng.uniform(50, 600, 1024), np.full(1024, 700.0))
+    assert np.all(np.isfinite(q)) and q.sum() == pytest.approx(1.0) and q.min() >= 0
+
+
+@pytest.mark.parametrize("bad", [([0.0], [10.0]), ([1.0], [-1.0]), ([np.nan], [1.0]), ([1.0, 2.0], [1.0])])
+def test_bad_lengths_are_named(bad):
+    with pytest.raises(ValueError, match="expected_remaining"):
+        last_finish_probability(*bad)
+
+
+def test_token_values_add_the_fixed_cost_share():
+    assert token_values([0.0, 0.5, 1.0], c_base=0.06, c_row=0.004) == pytest.approx([0.004, 0.034, 0.064])
+    with pytest.raises(ValueError, match="c_base"):
+        token_values([1.0], c_base=-1.0, c_row=0.0)
+
+
+def _saving(probs, values, keep, per_draft, extra):
+    got = sum(float(np.sum(p[:k])) * v for p, v, k in zip(probs, values, keep))
+    return got - per_draft * sum(keep) - (extra if sum(keep) else 0.0)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 1.0), max_size=3), min_size=1, max_size=3), st.data(), st.floats(0.0, 0.01), st.floats(0.001, 0.01))
+def test_value_rule_keeps_the_best_prefixes(rows, data, extra, per_draft):
+    probs = [np.sort(np.array(r, np.float64))[::-1].cumprod() for r in rows]
+    values = np.array(data.draw(st.lists(st.floats(0.0, 0.05), min_size=len(probs), max_size=len(probs))))
+    plain = 0.1
+    keep = choose_drafts(probs, plain, plain + extra, per_draft, values=values)
+    best = max(_saving(probs, values, k, per_draft, extra) for k in itertools.product(*[range(len(p) + 1) for p in probs]))
+    assert _saving(probs, values, keep, per_draft, extra) == pytest.approx(max(best, 0.0))
+
+
+def test_the_row_that_finishes_last_drafts_where_the_others_do_not():
+    probs = [np.array([0.5, 0.3, 0.2])] * 32
+    q = last_finish_probability([200.0] * 31 + [800.0], [1000.0] * 32)
+    keep = choose_drafts(probs, 0.2, 0.2, 0.004, values=token_values(q, c_base=0.07, c_row=0.004))
+    assert keep[-1] == 3 and keep[:-1].sum() == 0
+    # the throughput rule shares c_base evenly: nobody's 0.5 pays at 32 rows
+    assert choose_drafts(probs, 0.2, 0.2, 0.004).sum() == 0
+    assert drafting_can_pay(32, 96, 0.2, 0.2, 0.004, 0.5, best_value=0.07 * q.max() + 0.004)
+    assert not drafting_can_pay(32, 96, 0.2, 0.2, 0.004, 0.5, best_value=0.004)
+
+
+def test_value_rule_checks_its_values():
+    with pytest.raises(ValueError, match="values"):
+        choose_drafts([np.array([0.5])], 0.1, 0.1, 0.01, values=np.array([0.1, 0.2]))

@@ -5,7 +5,7 @@ the request's length so far). Three budgets (:mod:`scheduler.budget_protocol`):
 
 * :class:`ClassBudget` (``class``): a fixed table of draft tokens per class (Long 16, Medium 4,
   Short 0, each capped at K), optionally gated by the batch size.
-* :class:`ClassEq9Budget` (``class-eq9``): DAS's deployed class policy as published: the class
+* :class:`PublishedClassBudget` (``class-eq9``): DAS's deployed class policy as published: the class
   budgets from Eq. 7 with ``N_fwd`` from Eq. 9 (:func:`class_budgets`: every request of a class
   planned at the class's mean predicted remaining length and mean estimated acceptance; Eq. 1
   constants fitted offline, as the paper fits them), a quota of :data:`DAS_QUOTA` draft tokens per
@@ -27,11 +27,11 @@ import math
 import numpy as np
 
 from scheduler.acceptance import DEFAULT_A, DEFAULT_K, estimate_acceptance
-from scheduler.budget_protocol import Budget, StepView
-from scheduler.eq7 import optimal_proposals, solve_n_fwd
+from scheduler.budget_protocol import Budget, BudgetSetting, StepView
+from scheduler.drain_plan import optimal_proposals, solve_n_fwd
 from scheduler.predictor import LONG, MEDIUM, SHORT, LengthPredictor
 
-__all__ = ["DAS_GATE", "DAS_QUOTA", "ClassBudget", "ClassEq9Budget", "ClassRooflineBudget", "class_budgets"]
+__all__ = ["DAS_GATE", "DAS_QUOTA", "ClassBudget", "PublishedClassBudget", "ClassRooflineBudget", "class_budgets"]
 
 DAS_QUOTA = 160  # draft tokens per engine step (the authors' public fork)
 DAS_GATE = 64  # draft only with at most this many running requests (the same fork)
@@ -58,7 +58,7 @@ class ClassBudget(Budget):
 
     name = "class"
     summary = "DAS length classes from the length predictor: Long 16, Medium 4, Short 0 draft tokens, capped at K"
-    runs_in = frozenset({"proposer", "scheduler", "grpo"})
+    runs_in = frozenset({"proposer", "grpo"})
     length_aware = True
 
     def __init__(self, long: int = 16, medium: int = 4, short: int = 0, *, max_running: int | None = None, max_draft: int | None = None):
@@ -72,6 +72,13 @@ class ClassBudget(Budget):
         self.table = np.array([short, medium, long], dtype=np.int32)
         self.max_running = max_running
         self.max_draft = None if max_draft is None else int(max_draft)
+
+    @classmethod
+    def from_setting(cls, setting: BudgetSetting) -> ClassBudget:
+        """The ``class_caps`` table (default Long 16, Medium 4, Short 0), each capped at ``max_draft``."""
+        k = int(setting.max_draft)
+        long, medium, short = setting.class_caps or (16, 4, 0)
+        return cls(min(long, k), min(medium, k), min(short, k), max_draft=k)
 
     def caps_of(self, classes, running: int | None = None) -> np.ndarray:
         """Caps for ``classes`` (int array, 0 Short / 1 Medium / 2 Long) -> int32 array; all 0
@@ -141,7 +148,7 @@ def class_budgets(cls, remaining, k, a, c_base: float, c_tok: float, max_draft: 
     return out
 
 
-class ClassEq9Budget(Budget):
+class PublishedClassBudget(Budget):
     """``class-eq9``: DAS's deployed class policy as published (module doc).
 
     Args:
@@ -166,6 +173,17 @@ class ClassEq9Budget(Budget):
         self.quota_tokens, self.gate = float(quota_tokens), int(gate)
         self.last_budgets = np.zeros(3, np.int64)  # Short, Medium, Long of the last plan
         self.gated = False
+
+    @classmethod
+    def from_setting(cls, setting: BudgetSetting) -> PublishedClassBudget:
+        """K and the offline Eq. 1 constants (``offline_cost``).
+
+        Raises:
+            ValueError: no ``offline_cost``.
+        """
+        if setting.offline_cost is None:
+            raise ValueError("budget 'class-eq9' needs the Eq. 1 constants fitted offline (BudgetSetting.offline_cost = (c_base, c_tok))")
+        return cls(int(setting.max_draft), *setting.offline_cost)
 
     @property
     def replan_at_events(self) -> bool:

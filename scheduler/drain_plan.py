@@ -1,9 +1,9 @@
-"""DAS's cost-model budget, Eq. 2-9 (arXiv 2511.13841): per-request draft rates from remaining lengths.
+"""The drain plan: per-request draft rates that finish a batch in the least time from the requests' remaining lengths (DAS Eq. 1-9, arXiv 2511.13841).
 
-:class:`Eq7Solver` plans, over the requests' remaining lengths, with ``t_step = c_base + c_tok *
-n_tokens`` fitted online (:class:`scheduler.cost_model.CostModel`) and per-request acceptance
+:class:`DrainPlanSolver` plans, over the requests' remaining lengths, with ``t_step = c_base + c_tok *
+n_tokens`` fitted online (:class:`CostModel`, below) and per-request acceptance
 parameters ``k_i, a_i`` (Eq. 3, :mod:`scheduler.acceptance`), one int draft cap per running request
-for the current engine step. :class:`Eq7Budget` is the ``eq7`` speculation budget
+for the current engine step. :class:`DrainPlanBudget` is the ``eq7`` speculation budget
 (:mod:`scheduler.budget_protocol`) around it.
 
 The plan (:func:`solve_n_fwd`, :func:`optimal_proposals`). Total time (Eq. 2) is
@@ -38,6 +38,20 @@ the tail by about ``mean_i accepted_i(d_i)`` steps of ``t_tail = c_fixed + sum_i
 (1 + d_i))`` seconds each. When the cost exceeds that saving, no critical request drafts in the
 step (requests off the critical path keep their cheapest rate, 0 without per-request costs).
 
+**The step-cost line** (Eq. 1), fitted online from measured step times.
+
+Eq. 1: ``t_step = c_base + c_tok * n_tokens`` (seconds; ``n_tokens`` = tokens in the forward pass,
+verified drafts included). The paper fits ``c_base`` and ``c_tok`` offline; :class:`CostModel`
+fits them while the engine runs, by weighted least squares over running sums (recursive least
+squares with an optional forgetting factor), and can add a third term ``c_ctx * context_tokens``
+(tokens of KV cache read in the step: prompt + output of every running request), the
+attention-read cost that the paper folds into its 12% fit error.
+
+Before it is fitted: with a ``prior`` the prior's coefficients are used (as pseudo-observations
+that real ones outweigh); without one, :attr:`CostModel.ready` is False until ``min_samples``
+observations with distinct ``n_tokens`` values arrived, and the coefficient accessors raise
+``RuntimeError``. Budget policies treat an unready model as "do not speculate".
+
 Units: lengths, drafts and caps in tokens; costs in seconds.
 """
 
@@ -49,11 +63,241 @@ from dataclasses import dataclass
 import numpy as np
 
 from scheduler.acceptance import DEFAULT_A, DEFAULT_K, estimate_acceptance, tokens_per_step
-from scheduler.budget_protocol import Budget, StepView
-from scheduler.cost_model import CostModel
-from scheduler.predictor import LengthPredictor
+from scheduler.budget_protocol import Budget, BudgetSetting, StepView
 
-__all__ = ["Eq7Budget", "Eq7Plan", "Eq7Solver", "solve_n_fwd", "optimal_proposals", "round_caps", "step_saves_time"]
+__all__ = ["CostModel", "DrainPlanBudget", "DrainPlan", "DrainPlanSolver", "optimal_proposals", "round_caps", "solve_n_fwd", "step_saves_time"]
+
+
+# Feature scales: keep the normal equations well conditioned (tokens ~1e3, context ~1e6).
+_TOK_SCALE = 1e3
+_CTX_SCALE = 1e6
+_SCALARS = (int, float, np.integer, np.floating)  # one step given as numbers: the fast path of observe
+
+
+class CostModel:
+    """Online fit of ``t_step = c_base + c_tok * n_tokens [+ c_ctx * context_tokens]`` (Eq. 1).
+
+    Args:
+        use_context: also fit ``c_ctx`` (seconds per token of KV cache read per step).
+        min_samples: observations needed before the fit is used (without a prior).
+        forgetting: per-observation weight decay in (0, 1]; 1 keeps all history, 0.999 forgets
+            with a time constant of ~1000 steps (tracks drift, e.g. a changing context length).
+        prior: ``(c_base, c_tok)`` or ``(c_base, c_tok, c_ctx)`` in seconds (and seconds per
+            token), e.g. an offline fit; used until real observations outweigh it.
+        prior_weight: weight of the prior, in observations per anchor point (> 0).
+
+    Raises:
+        ValueError: bad arguments (named in the message).
+    """
+
+    def __init__(
+        self,
+        *,
+        use_context: bool = False,
+        min_samples: int = 16,
+        forgetting: float = 1.0,
+        prior: tuple[float, ...] | None = None,
+        prior_weight: float = 8.0,
+    ):
+        if not isinstance(min_samples, (int, np.integer)) or min_samples < 2:
+            raise ValueError(f"min_samples must be an int >= 2, got {min_samples!r}")
+        if not (0.0 < forgetting <= 1.0):
+            raise ValueError(f"forgetting must be in (0, 1], got {forgetting!r}")
+        if not (prior_weight > 0):
+            raise ValueError(f"prior_weight must be > 0, got {prior_weight!r}")
+        self.use_context = bool(use_context)
+        self.dim = 3 if self.use_context else 2
+        self.min_samples = int(min_samples)
+        self.forgetting = float(forgetting)
+        self._xtx = np.zeros((self.dim, self.dim))
+        self._xty = np.zeros(self.dim)
+        self._yty = 0.0
+        self.n_samples = 0  # real observations (not decayed)
+        self._tok_min = math.inf
+        self._tok_max = -math.inf
+        self._coef: np.ndarray | None = None
+        self._dirty = True
+        self.has_prior = prior is not None
+        if prior is not None:
+            prior = tuple(float(c) for c in prior)
+            if len(prior) == 2 and self.use_context:
+                prior = prior + (0.0,)
+            if len(prior) != self.dim or any(not math.isfinite(c) or c < 0 for c in prior):
+                raise ValueError(
+                    f"prior must be {self.dim} finite non-negative coefficients "
+                    f"({'c_base, c_tok, c_ctx' if self.use_context else 'c_base, c_tok'}), got {prior!r}"
+                )
+            anchors = [(1.0, 0.0), (4096.0, 0.0)] + ([(1.0, 1e6)] if self.use_context else [])
+            for n, ctx in anchors:
+                x = self._features(np.array([n]), np.array([ctx]))[0]
+                y = prior[0] + prior[1] * n + (prior[2] * ctx if self.use_context else 0.0)
+                self._xtx += prior_weight * np.outer(x, x)
+                self._xty += prior_weight * x * y
+                self._yty += prior_weight * y * y
+
+    def _features(self, n_tokens: np.ndarray, context: np.ndarray | None) -> np.ndarray:
+        cols = [np.ones_like(n_tokens, dtype=np.float64), n_tokens / _TOK_SCALE]
+        if self.use_context:
+            cols.append((context if context is not None else np.zeros_like(n_tokens)) / _CTX_SCALE)
+        return np.stack(cols, axis=1)
+
+    def observe(self, n_tokens, seconds, context_tokens=None) -> None:
+        """Add measured steps.
+
+        Args:
+            n_tokens: int or array, tokens in each forward pass (>= 0).
+            seconds: float or array (same shape), measured wall time of each step (> 0).
+            context_tokens: int or array, KV-cache tokens read in each step (used only with
+                ``use_context``; default 0).
+
+        Raises:
+            ValueError: shapes differ, or a value is negative / not finite.
+        """
+        if isinstance(n_tokens, _SCALARS) and isinstance(seconds, _SCALARS) and isinstance(context_tokens, _SCALARS + (type(None),)):
+            self._observe_one(float(n_tokens), float(seconds), None if context_tokens is None else float(context_tokens))
+            return
+        n = np.atleast_1d(np.asarray(n_tokens, np.float64))
+        t = np.atleast_1d(np.asarray(seconds, np.float64))
+        ctx = None if context_tokens is None else np.atleast_1d(np.asarray(context_tokens, np.float64))
+        if n.shape != t.shape or n.ndim != 1 or (ctx is not None and ctx.shape != n.shape):
+            raise ValueError(
+                f"observe: n_tokens {n.shape}, seconds {t.shape} and context_tokens "
+                f"{None if ctx is None else ctx.shape} must be equal 1-d shapes"
+            )
+        if np.any(~np.isfinite(n)) or np.any(n < 0):
+            raise ValueError(f"observe: n_tokens must be finite and >= 0, got {n[(~np.isfinite(n)) | (n < 0)][:4]}")
+        if np.any(~np.isfinite(t)) or np.any(t <= 0):
+            raise ValueError(f"observe: seconds must be finite and > 0, got {t[(~np.isfinite(t)) | (t <= 0)][:4]}")
+        if ctx is not None and (np.any(~np.isfinite(ctx)) or np.any(ctx < 0)):
+            raise ValueError("observe: context_tokens must be finite and >= 0")
+        m = len(n)
+        if m == 0:
+            return
+        x = self._features(n, ctx)
+        if self.forgetting < 1.0:
+            w = self.forgetting ** np.arange(m - 1, -1, -1, dtype=np.float64)
+            decay = self.forgetting**m
+            self._xtx *= decay
+            self._xty *= decay
+            self._yty *= decay
+        else:
+            w = np.ones(m)
+        xw = x * w[:, None]
+        self._xtx += xw.T @ x
+        self._xty += xw.T @ t
+        self._yty += float(np.dot(w * t, t))
+        self.n_samples += m
+        self._tok_min = min(self._tok_min, float(n.min()))
+        self._tok_max = max(self._tok_max, float(n.max()))
+        self._dirty = True
+
+    def _observe_one(self, n: float, t: float, ctx: float | None) -> None:
+        """:meth:`observe` for one step given as numbers (what the proposer does every engine step):
+        the same sums without building and checking arrays."""
+        if not (math.isfinite(n) and n >= 0):
+            raise ValueError(f"observe: n_tokens must be finite and >= 0, got {[n]}")
+        if not (math.isfinite(t) and t > 0):
+            raise ValueError(f"observe: seconds must be finite and > 0, got {[t]}")
+        if ctx is not None and not (math.isfinite(ctx) and ctx >= 0):
+            raise ValueError("observe: context_tokens must be finite and >= 0")
+        x = [1.0, n / _TOK_SCALE] + ([(ctx or 0.0) / _CTX_SCALE] if self.use_context else [])
+        if self.forgetting < 1.0:
+            f = self.forgetting
+            self._xtx *= f
+            self._xty *= f
+            self._yty *= f
+        xv = np.array(x)
+        self._xtx += np.outer(xv, xv)
+        self._xty += xv * t
+        self._yty += t * t
+        self.n_samples += 1
+        self._tok_min = min(self._tok_min, n)
+        self._tok_max = max(self._tok_max, n)
+        self._dirty = True
+
+    @property
+    def ready(self) -> bool:
+        """True when coefficients can be used: a prior was given, or enough varied observations."""
+        if self.has_prior:
+            return True
+        return self.n_samples >= self.min_samples and self._tok_max > self._tok_min and self._solve() is not None
+
+    def _solve(self) -> np.ndarray | None:
+        if not self._dirty:
+            return self._coef
+        self._dirty = False
+        self._coef = None
+        if not np.any(self._xtx):
+            return None
+        # Non-negative least squares over the normal equations: try every set of free
+        # coefficients (at most 2**3), keep the feasible one with the smallest residual.
+        best, best_sse = None, math.inf
+        dim = self.dim
+        for mask in range(1, 1 << dim):
+            idx = [i for i in range(dim) if mask >> i & 1]
+            a = self._xtx[np.ix_(idx, idx)]
+            if np.linalg.cond(a) > 1e12:
+                continue
+            sol = np.linalg.solve(a, self._xty[idx])
+            if np.any(sol < 0):
+                continue
+            full = np.zeros(dim)
+            full[idx] = sol
+            sse = self._yty - 2 * full @ self._xty + full @ self._xtx @ full
+            if sse < best_sse - 1e-18:
+                best, best_sse = full, sse
+        if best is None:
+            return None
+        scale = np.array([1.0, 1.0 / _TOK_SCALE, 1.0 / _CTX_SCALE][:dim])
+        self._coef = best * scale
+        return self._coef
+
+    def _require(self) -> np.ndarray:
+        coef = self._solve() if self.ready else None
+        if coef is None:
+            raise RuntimeError(
+                f"cost model not fitted: {self.n_samples} of {self.min_samples} observations "
+                f"(n_tokens seen in [{self._tok_min}, {self._tok_max}]); give a prior or observe "
+                "steps with different token counts"
+            )
+        return coef
+
+    @property
+    def c_base(self) -> float:
+        """Seconds per forward pass independent of its tokens (Eq. 1)."""
+        return float(self._require()[0])
+
+    @property
+    def c_tok(self) -> float:
+        """Seconds per token in a forward pass (Eq. 1)."""
+        return float(self._require()[1])
+
+    @property
+    def c_ctx(self) -> float:
+        """Seconds per KV-cache token read in a step (0 without ``use_context``)."""
+        return float(self._require()[2]) if self.use_context else 0.0
+
+    def coefficients(self) -> dict[str, float] | None:
+        """``{"c_base", "c_tok", "c_ctx"}`` in seconds, or None while not ready."""
+        if not self.ready:
+            return None
+        coef = self._solve()
+        if coef is None:
+            return None
+        return {"c_base": float(coef[0]), "c_tok": float(coef[1]), "c_ctx": float(coef[2]) if self.use_context else 0.0}
+
+    def predict(self, n_tokens, context_tokens=0):
+        """Predicted step seconds for ``n_tokens`` (and ``context_tokens``); float or float64 array.
+
+        Raises:
+            RuntimeError: not ready (see the module doc).
+        """
+        coef = self._require()
+        n = np.asarray(n_tokens, np.float64)
+        out = coef[0] + coef[1] * n
+        if self.use_context:
+            out = out + coef[2] * np.asarray(context_tokens, np.float64)
+        return float(out) if np.ndim(out) == 0 else out
 
 
 def _check_max_draft(max_draft: int) -> int:
@@ -192,7 +436,7 @@ def step_saves_time(caps, k, a, c_fixed: float, c_tok: float, per_request_cost_s
 
 
 @dataclass
-class Eq7Plan:
+class DrainPlan:
     """One Eq. 7 plan: ``n_fwd`` target passes; per request ``proposals`` (tokens over its
     remaining life), ``rate`` (draft tokens per step), ``caps`` (int32, this step)."""
 
@@ -203,7 +447,7 @@ class Eq7Plan:
     step_rule_fired: bool
 
 
-class Eq7Solver:
+class DrainPlanSolver:
     """Cost-model draft caps (DAS Eq. 7 with Eq. 9), per request and step.
 
     Args:
@@ -216,7 +460,7 @@ class Eq7Solver:
 
     def __init__(self, cost: CostModel, *, max_draft: int = 16, form: str = "exact", step_rule: bool = True, seed: int | None = 0):
         if not isinstance(cost, CostModel):
-            raise ValueError(f"cost must be a scheduler.cost_model.CostModel, got {type(cost).__name__}")
+            raise ValueError(f"cost must be a scheduler.drain_plan.CostModel, got {type(cost).__name__}")
         if form not in ("exact", "paper"):
             raise ValueError(f"form must be 'exact' or 'paper', got {form!r}")
         self.cost = cost
@@ -224,9 +468,9 @@ class Eq7Solver:
         self.form = form
         self.step_rule = bool(step_rule)
         self.rng = np.random.default_rng(seed) if seed is not None else None
-        self.last_plan: Eq7Plan | None = None
+        self.last_plan: DrainPlan | None = None
 
-    def solve(self, remaining, k, a, *, fixed_cost_s: float | None = None, per_request_cost_s=None) -> Eq7Plan:
+    def solve(self, remaining, k, a, *, fixed_cost_s: float | None = None, per_request_cost_s=None) -> DrainPlan:
         """Plan draft caps for running requests.
 
         Args:
@@ -241,7 +485,7 @@ class Eq7Solver:
                 ``argmin_d (c_req_i + c_tok (1 + d)) / tau_i(d)`` (0 when ``c_req_i = 0``).
 
         Returns:
-            :class:`Eq7Plan` (caps are int32 draft tokens for this step, in ``[0, max_draft]``).
+            :class:`DrainPlan` (caps are int32 draft tokens for this step, in ``[0, max_draft]``).
 
         Raises:
             ValueError: shapes differ or values are out of range.
@@ -258,7 +502,7 @@ class Eq7Solver:
             raise ValueError(f"per_request_cost_s must be finite, >= 0 and of shape {r.shape}")
         zeros = np.zeros(r.shape, np.int32)
         if r.size == 0 or self.max_draft == 0 or not self.cost.ready:
-            self.last_plan = Eq7Plan(0.0, np.zeros(r.shape), np.zeros(r.shape), zeros, False)
+            self.last_plan = DrainPlan(0.0, np.zeros(r.shape), np.zeros(r.shape), zeros, False)
             return self.last_plan
         c_tok = self.cost.c_tok
         c_fixed = self.cost.c_base if fixed_cost_s is None else float(fixed_cost_s)
@@ -290,7 +534,7 @@ class Eq7Solver:
             if not step_saves_time(caps[critical], k[critical], a[critical], c_fixed, c_tok, creq[critical]):
                 caps = np.where(critical, free, caps).astype(np.int32)
                 fired = True
-        self.last_plan = Eq7Plan(float(n_fwd), p, rate, caps, fired)
+        self.last_plan = DrainPlan(float(n_fwd), p, rate, caps, fired)
         return self.last_plan
 
     def caps(self, remaining, k, a, *, fixed_cost_s: float | None = None, per_request_cost_s=None) -> np.ndarray:
@@ -298,8 +542,8 @@ class Eq7Solver:
         return self.solve(remaining, k, a, fixed_cost_s=fixed_cost_s, per_request_cost_s=per_request_cost_s).caps
 
 
-class Eq7Budget(Budget):
-    """``eq7``: DAS Eq. 7 / Eq. 9 per request (:class:`Eq7Solver`) on the length predictor's
+class DrainPlanBudget(Budget):
+    """``eq7``: DAS Eq. 7 / Eq. 9 per request (:class:`DrainPlanSolver`) on the length predictor's
     expected remaining length, per-request acceptance estimates (:func:`estimate_acceptance`, Eq. 3)
     and the host's online :class:`CostModel`.
 
@@ -307,14 +551,14 @@ class Eq7Budget(Budget):
         cost: the online step-cost fit (default: an unfitted ``CostModel()``); the host feeds it.
         max_draft: K, the most draft tokens per row and step.
         k_prior, a_prior, prior_steps: the Eq. 3 acceptance prior and its weight in steps.
-        form, step_rule, seed: :class:`Eq7Solver`'s.
+        form, step_rule, seed: :class:`DrainPlanSolver`'s.
         draft_while_unfitted: while ``cost`` is not fitted, leave the rows' own caps (True: the
             drafts spread the step sizes the fit needs) instead of drafting nothing (False).
     """
 
     name = "eq7"
     summary = "DAS Eq. 7 / Eq. 9 per request: predicted remaining length, per-request acceptance estimates and the online cost model"
-    runs_in = frozenset({"proposer", "scheduler", "simulator"})
+    runs_in = frozenset({"proposer", "simulator"})
     uses_cost_fit = True
     length_aware = True
 
@@ -322,10 +566,15 @@ class Eq7Budget(Budget):
                  prior_steps: float = 32.0, form: str = "exact", step_rule: bool = True, seed: int | None = 0,
                  draft_while_unfitted: bool = False):
         self.cost = cost if cost is not None else CostModel()
-        self.solver = Eq7Solver(self.cost, max_draft=max_draft, form=form, step_rule=step_rule, seed=seed)
+        self.solver = DrainPlanSolver(self.cost, max_draft=max_draft, form=form, step_rule=step_rule, seed=seed)
         self.max_draft = self.solver.max_draft
         self.k_prior, self.a_prior, self.prior_steps = k_prior, a_prior, prior_steps
         self.draft_while_unfitted = bool(draft_while_unfitted)
+
+    @classmethod
+    def from_setting(cls, setting: BudgetSetting) -> DrainPlanBudget:
+        """K, the host's cost line (``cost``), ``seed`` and ``draft_while_unfitted``."""
+        return cls(setting.cost, max_draft=int(setting.max_draft), seed=setting.seed, draft_while_unfitted=setting.draft_while_unfitted)
 
     def plan(self, step: StepView) -> np.ndarray:
         caps = step.caps.copy()
@@ -351,21 +600,6 @@ class Eq7Budget(Budget):
     def priority(self, step: StepView) -> np.ndarray:
         """Longest predicted remaining length first."""
         return step.live_rows[np.argsort(-step.remaining(), kind="stable")]
-
-    def request_caps(self, predictor: LengthPredictor, problem_idx: np.ndarray, samples_per_problem: int = 1) -> np.ndarray:
-        """The Eq. 7 rate planned at the start of the iteration over every request
-        (``samples_per_problem`` per problem, predicted length = the problem's expected length,
-        prior acceptance), rounded up; all 0 while the cost model is not fitted."""
-        idx = np.asarray(problem_idx, np.int64)
-        n = idx.size
-        if not self.cost.ready:
-            return np.zeros(n, np.int32)
-        total = predictor.predict(idx, np.zeros(n)).expected_total
-        r = np.repeat(total, samples_per_problem)
-        solver = Eq7Solver(self.cost, max_draft=self.max_draft, form=self.solver.form, step_rule=False, seed=None)
-        plan = solver.solve(r, np.full(r.size, self.k_prior), np.full(r.size, self.a_prior))
-        rate = plan.rate.reshape(n, samples_per_problem).max(axis=1)
-        return np.minimum(np.ceil(rate), self.max_draft).astype(np.int32)
 
     def describe(self) -> dict:
         return {"budget": self.name, "max_draft": self.max_draft, "cost": self.cost.coefficients()}
