@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import uuid
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
@@ -81,9 +82,9 @@ class HistoryStore:
         self._uids: set[str] = set()
 
     def info(self) -> dict[str, Any]:
-        """``epoch`` (str), ``version`` (int) and the totals: ``problems``, ``rollouts``, ``tokens`` (output tokens)."""
+        """``epoch`` (str), ``version`` (int), ``pid`` (its process) and the totals: ``problems``, ``rollouts``, ``tokens`` (output tokens)."""
         rows = [r for rs in self._rows.values() for r in rs]
-        return {"epoch": self.epoch, "version": self.version, "problems": len(self._rows), "rollouts": len(rows),
+        return {"epoch": self.epoch, "version": self.version, "pid": os.getpid(), "problems": len(self._rows), "rollouts": len(rows),
                 "tokens": sum(len(r[3]) for r in rows)}
 
     def add(self, rollouts: Iterable[tuple[str, Rollout]]) -> dict[str, Any]:
