@@ -60,7 +60,7 @@ class HistoryWorker(EchoWorker):
                                     timeout_s=5)
 
     def _ingest(self, rollouts):
-        for pid, _, out, v in rollouts:
+        for pid, _, out, _v in rollouts:
             self.held.setdefault(pid, []).append(tuple(out))
 
     def _evict(self, pids):

@@ -185,6 +185,23 @@ class RolloutWorker:
             stats["drafter"] = {k[len("drafter_"):]: v for k, v in batch.proposer.items() if k.startswith("drafter_")}
         return BatchResult(out, stats)
 
+    def warm(self, prompt_lengths: list[int]) -> None:
+        """Untimed warm-up, as ``das-rollout``'s single engine has: two short rollouts of one prompt (the
+        second drafts from the first: the drafter's first lookups), then one prefill of random prompts of
+        ``prompt_lengths`` tokens (``das_warmup``: the drafter keeps nothing of them)."""
+        import numpy as np
+        from vllm import SamplingParams, TokensPrompt
+
+        for _ in range(2):
+            self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(n=2, temperature=1.0, max_tokens=16), use_tqdm=False)
+        try:
+            vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
+        except Exception:  # noqa: BLE001 - an engine without the attribute: any id of a real vocabulary
+            vocab = 32000
+        rng = np.random.default_rng(len(prompt_lengths))
+        prompts = [TokensPrompt(prompt_token_ids=rng.integers(0, vocab, max(1, n)).tolist()) for n in prompt_lengths]
+        self.llm.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0, extra_args={"das_warmup": True}), use_tqdm=False)
+
     def pid(self) -> int:
         import os
 
@@ -304,7 +321,8 @@ class RayRolloutDriver:
         self._cpus = engine_cpus(num_workers) if bind_cpus and worker_cls is None and cpu_runtime.is_cpu_build() else [None] * num_workers
         self._env = dict(worker_env or {})
         self._stand_in = worker_cls is not None
-        self._actor_cls = ray.remote(num_cpus=num_cpus_per_worker)(worker_cls or RolloutWorker)
+        self._worker_cls = worker_cls or RolloutWorker
+        self._actor_cls = ray.remote(num_cpus=num_cpus_per_worker)(self._worker_cls)
         self.history_name: str | None = None
         self.history = None
         if shared_history and method == "das":
@@ -523,6 +541,13 @@ class RayRolloutDriver:
                 "placement": {"method": self.placement, "groups_per_engine": np.bincount(assignment, minlength=n).tolist(),
                               "tokens_per_engine": worker_loads(tokens, assignment, n).tolist(), "max_tokens": compare},
                 "redispatched_groups": self.redispatched_groups}
+
+    def warm(self, prompt_lengths: list[int]) -> None:
+        """Warm every worker's engine up (untimed; :meth:`RolloutWorker.warm`), where the worker class has ``warm``."""
+        import ray
+
+        if hasattr(self._worker_cls, "warm"):
+            ray.get([w.warm.remote(list(prompt_lengths)) for w in self.workers], timeout=self.start_timeout_s)
 
     def _begin_one(self, i: int, policy_version: int) -> None:
         import ray
