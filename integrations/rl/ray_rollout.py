@@ -44,12 +44,14 @@ class Group:
         problem_id: the problem (drafter tree and length history key).
         prompt_ids: prompt token ids.
         n: samples.
+        draft_cap: the DAS proposer's ``das_max_draft_tokens`` for its requests (None: no cap).
     """
 
     group_id: str
     problem_id: str
     prompt_ids: list[int]
     n: int
+    draft_cap: int | None = None
 
 
 @dataclasses.dataclass
@@ -72,7 +74,7 @@ def batch_stats(batch: Any) -> dict[str, Any]:
     return {"tokens": batch.tokens, "verification_steps": batch.verification_steps, "draft_tokens": batch.draft_tokens,
             "accepted_tokens": batch.accepted_tokens, "wall_time_s": batch.wall_time_s, "tail_s": batch.tail_time_s(),
             "tail_row_steps": batch.tail_row_steps, "tail_accepted_tokens": batch.tail_accepted_tokens, "rollouts": len(batch.rollouts),
-            "lengths": [len(r.output_ids) for r in batch.rollouts]}
+            "lengths": [len(r.output_ids) for r in batch.rollouts], "finish": [(r.finish_reason, r.finish_s) for r in batch.rollouts]}
 
 
 def pool_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
@@ -172,7 +174,8 @@ class RolloutWorker:
         coupled = bool(rest.pop("das_coupled", False))
         batch = generate_rollouts(self.llm, [g.prompt_ids for g in groups], [g.problem_id for g in groups], samples=[g.n for g in groups],
                                   max_tokens=rest.pop("max_tokens"), temperature=rest.pop("temperature"), top_p=rest.pop("top_p", 1.0),
-                                  seed=seed, sampling=rest, das=self.method == "das", coupled=coupled)
+                                  seed=seed, sampling=rest, das=self.method == "das", coupled=coupled,
+                                  draft_caps=[g.draft_cap for g in groups] if any(g.draft_cap is not None for g in groups) else None)
         out: dict[str, list[list[int]]] = {g.group_id: [] for g in groups}
         for r in batch.rollouts:  # (group, sample) order
             out[groups[r.group].group_id].append(r.output_ids)
@@ -186,21 +189,16 @@ class RolloutWorker:
         return BatchResult(out, stats)
 
     def warm(self, prompt_lengths: list[int]) -> None:
-        """Untimed warm-up, as ``das-rollout``'s single engine has: two short rollouts of one prompt (the
-        second drafts from the first: the drafter's first lookups), then one prefill of random prompts of
-        ``prompt_lengths`` tokens (``das_warmup``: the drafter keeps nothing of them)."""
-        import numpy as np
-        from vllm import SamplingParams, TokensPrompt
+        """Untimed warm-up (:func:`integrations.rl.grpo.warm_up`, as ``das-rollout``'s single engine has)."""
+        from integrations.rl.grpo import warm_up
 
-        for _ in range(2):
-            self.llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(n=2, temperature=1.0, max_tokens=16), use_tqdm=False)
-        try:
-            vocab = int(self.llm.llm_engine.model_config.get_vocab_size())
-        except Exception:  # noqa: BLE001 - an engine without the attribute: any id of a real vocabulary
-            vocab = 32000
-        rng = np.random.default_rng(len(prompt_lengths))
-        prompts = [TokensPrompt(prompt_token_ids=rng.integers(0, vocab, max(1, n)).tolist()) for n in prompt_lengths]
-        self.llm.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0, extra_args={"das_warmup": True}), use_tqdm=False)
+        warm_up(self.llm, prompt_lengths)
+
+    def sync_weights(self, named: list) -> float:
+        """Load new policy weights ``[(name, tensor)]`` into the engine (:func:`integrations.vllm_ext.weight_sync.sync_weights`); returns seconds."""
+        from integrations.vllm_ext.weight_sync import sync_weights
+
+        return sync_weights(self.llm, named).seconds
 
     def pid(self) -> int:
         import os
@@ -336,6 +334,8 @@ class RayRolloutDriver:
             self.history = history_actor(self.history_name, window=int(das_cfg.get("window", DEFAULTS.window)),
                                          keep_visits=int(das_cfg.get("keep_visits", DEFAULTS.keep_visits)))
         self.evict_after = evict_after
+        self.last_finish: dict[str, list[tuple[str, float]]] = {}
+        self._weights = None  # the latest synced weights (an object ref), loaded by replacement workers
         self.last_iteration: dict[str, Any] = {}
         self.workers = [self._start_worker(i) for i in range(num_workers)]
         self.alive = [True] * num_workers
@@ -370,6 +370,8 @@ class RayRolloutDriver:
     def _replace(self, i: int) -> None:
         self._kill(i)
         self.workers[i], self.alive[i] = self._start_worker(i), True
+        if self._weights is not None:  # the current policy, not the checkpoint it started from
+            self.workers[i].sync_weights.remote(self._weights)  # queued before its first iteration
         self._fresh.add(i)
         self.replaced_workers += 1
 
@@ -485,6 +487,7 @@ class RayRolloutDriver:
         if on_dispatch is not None:
             on_dispatch(self, assignment)
         results: dict[str, list[list[int]]] = {}
+        self.last_finish = {}  # group id -> [(finish reason, seconds from its batch's start)] per sample
         while pending:
             timeout = None
             if self.task_timeout_s is not None:
@@ -508,8 +511,14 @@ class RayRolloutDriver:
             try:
                 got = ray.get(ref)
                 if isinstance(got, BatchResult):
+                    fin = got.stats.pop("finish", None)
                     engine_stats[w].append({**got.stats, "engine": w})
                     got = got.outputs
+                    k = 0
+                    for i in members if fin is not None else ():  # the batch's rollouts are in (group, sample) order
+                        n = len(got[groups[i].group_id])
+                        self.last_finish[groups[i].group_id] = [tuple(f) for f in fin[k : k + n]]
+                        k += n
                 results.update(got)
                 done_at[w] = time.monotonic() - t_start
             except (RayActorError, RayTaskError) as exc:
@@ -541,6 +550,17 @@ class RayRolloutDriver:
                 "placement": {"method": self.placement, "groups_per_engine": np.bincount(assignment, minlength=n).tolist(),
                               "tokens_per_engine": worker_loads(tokens, assignment, n).tolist(), "max_tokens": compare},
                 "redispatched_groups": self.redispatched_groups}
+
+    def sync_weights(self, weights: Any) -> float:
+        """Load new policy weights (a module, a state dict or ``(name, tensor)`` pairs) into every
+        worker's engine; a worker started later (a replacement) loads them before its first
+        iteration. Returns the slowest worker's seconds."""
+        import ray
+
+        from integrations.vllm_ext.weight_sync import named_tensors
+
+        self._weights = ray.put(named_tensors(weights))
+        return max(ray.get([w.sync_weights.remote(self._weights) for w in self.workers], timeout=self.start_timeout_s))
 
     def warm(self, prompt_lengths: list[int]) -> None:
         """Warm every worker's engine up (untimed; :meth:`RolloutWorker.warm`), where the worker class has ``warm``."""

@@ -71,6 +71,8 @@ class RolloutSection:
     dtype: str = "auto"  # vLLM engine dtype; auto: this machine's (integrations.vllm_ext.cpu_runtime; bfloat16 on CUDA)
     max_model_len: int = 1024
     coupled_sampling: bool = False  # key each rollout's sampling (integrations.vllm_ext.patches.coupled_sampling)
+    engines: int = 1  # rollout engines; > 1: Ray workers bound to their own cores, one shared DAS history (integrations.rl.ray_rollout)
+    placement: str = "lpt"  # engines > 1: GRPO groups to engines by scheduler.placement (lpt | round_robin | random)
 
     @property
     def engine_dtype(self) -> str | None:
@@ -162,6 +164,7 @@ class Recipe:
             ValueError: ``"bad recipe: <section.key> must be ..., got <value>"`` for each bad value.
         """
         from integrations.vllm_ext.engine import METHODS
+        from scheduler.placement import ASSIGNMENTS
 
         bad = _check_fields(self)
         r, s = self.rollout, self.speculative
@@ -172,6 +175,8 @@ class Recipe:
             (r.max_model_len > r.max_tokens,
              f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
             (s.method in METHODS, f"speculative.method must be one of {list(METHODS)}, got {s.method!r}"),
+            (r.engines >= 1, f"rollout.engines must be >= 1, got {r.engines}"),
+            (r.placement in ASSIGNMENTS, f"rollout.placement must be one of {list(ASSIGNMENTS)}, got {r.placement!r}"),
             (s.method == "none" or s.num_speculative_tokens is not None, f"speculative.num_speculative_tokens is needed for method {s.method!r}"),
             (self.scheduler.budget is None or s.method == "das", f"scheduler.budget {self.scheduler.budget!r} needs speculative.method 'das'"),
             (self.reward.overlong_buffer < r.max_tokens,
