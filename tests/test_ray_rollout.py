@@ -47,10 +47,13 @@ def test_a_worker_killed_mid_iteration_loses_no_rollout(driver):
         killed.append(int((assignment == 0).sum()))
 
     before = driver.redispatched_groups
+    pulled = driver.last_iteration["engines"][1]["history"]["pulled"]
     sampling = {"temperature": 0.8, "ignore_eos": True}
     out = driver.run_iteration(gs, policy_version=3, sampling=sampling, on_dispatch=kill_worker_zero)
     assert killed and killed[0] > 0
     assert driver.redispatched_groups - before == killed[0]
+    # the survivor drafted the dead worker's groups from their history: the one rollout of each in versions 1 and 2
+    assert driver.last_iteration["engines"][1]["history"]["pulled"] - pulled == 2 * killed[0]
     assert set(out) == {g.group_id for g in gs}
     assert all(len(out[g.group_id]) == g.n and all(len(s) == 12 for s in out[g.group_id]) for g in gs)
     # The next iteration replaces the dead worker and runs on two workers again.

@@ -35,6 +35,7 @@ from typing import Any
 
 from das.config import DEFAULTS, SHOWN_KEYS, das_config
 from scheduler import budgets
+from scheduler.placement import ASSIGNMENTS
 
 __all__ = [
     "RECIPES_DIR",
@@ -164,7 +165,6 @@ class Recipe:
             ValueError: ``"bad recipe: <section.key> must be ..., got <value>"`` for each bad value.
         """
         from integrations.vllm_ext.engine import METHODS
-        from scheduler.placement import ASSIGNMENTS
 
         bad = _check_fields(self)
         r, s = self.rollout, self.speculative
@@ -175,8 +175,6 @@ class Recipe:
             (r.max_model_len > r.max_tokens,
              f"rollout.max_model_len ({r.max_model_len}) must exceed rollout.max_tokens ({r.max_tokens}): the prompt needs room too"),
             (s.method in METHODS, f"speculative.method must be one of {list(METHODS)}, got {s.method!r}"),
-            (r.engines >= 1, f"rollout.engines must be >= 1, got {r.engines}"),
-            (r.placement in ASSIGNMENTS, f"rollout.placement must be one of {list(ASSIGNMENTS)}, got {r.placement!r}"),
             (s.method == "none" or s.num_speculative_tokens is not None, f"speculative.num_speculative_tokens is needed for method {s.method!r}"),
             (self.scheduler.budget is None or s.method == "das", f"scheduler.budget {self.scheduler.budget!r} needs speculative.method 'das'"),
             (self.reward.overlong_buffer < r.max_tokens,
@@ -223,6 +221,8 @@ _RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("rollout", "dtype"): (lambda v: v in ("bfloat16", "float16", "float32", "auto"), "one of bfloat16, float16, float32, auto"),
     ("rollout", "max_model_len"): (lambda v: _is_int(v) and v >= 2, "an int >= 2"),
     ("rollout", "coupled_sampling"): (lambda v: isinstance(v, bool), "true or false"),
+    ("rollout", "engines"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("rollout", "placement"): (lambda v: v in ASSIGNMENTS, f"one of {list(ASSIGNMENTS)}"),
     ("speculative", "method"): (lambda v: isinstance(v, str), "a string"),
     ("speculative", "num_speculative_tokens"): (lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
     ("speculative", "das"): (lambda v: isinstance(v, dict), "a mapping"),
