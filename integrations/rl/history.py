@@ -141,9 +141,8 @@ class HistoryStore:
             rows = self._rows[pid]
             visits = sorted({r[2] for r in rows}, reverse=True)[: self.keep_visits]
             kept = [r for r in rows if r[2] >= oldest or r[2] in visits]
-            for r in rows:
-                if r not in kept:
-                    self._uids.discard(r[1])
+            if len(kept) < len(rows):
+                self._uids.difference_update({r[1] for r in rows} - {r[1] for r in kept})
             if kept:
                 self._rows[pid] = kept
             else:
