@@ -17,7 +17,7 @@ def driver(tiny_model):
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     drv = RayRolloutDriver(tiny_model, "das", num_workers=2, max_tokens=12, temperature=0.0,
-                           engine_kwargs={"dtype": "float32", "max_model_len": 128})
+                           engine_kwargs={"dtype": "float32", "max_model_len": 128, "das_config": {"budget": "fixed"}})  # drafts every step
     yield drv
     drv.shutdown()
     ray.shutdown()
