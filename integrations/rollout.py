@@ -82,6 +82,9 @@ class IterationResult:
     timeline: dict[str, list[float]] | None = None  # {"t_s": [...], "running": [...]}, at most ~200 points
     proposer: dict[str, Any] | None = None  # DAS proposer counters for this iteration
     rollout_digests: list[str] | None = None  # integrations.results.rollout_digest of each rollout, in (group, sample) order
+    engines: list[dict[str, Any]] | None = None  # --engines N: per engine stats (integrations.rollout_engines)
+    makespan_s: float | None = None  # --engines N: first dispatch to last result
+    placement: dict[str, Any] | None = None  # --engines N: groups and tokens per engine, and each placement's most tokens on one engine
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -113,6 +116,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sample-seed", type=int, default=0,
                    help="other random draws on the same problems: iteration v samples with seed * 100003 + v + 7919 * sample_seed")
     add_sampling_args(p)
+    add_engine_args(p)
     p.add_argument("--json", default=None, help="write results to this JSON file")
     p.add_argument("--trace", default=None, help="write the --method's rollouts to this parquet trace (see integrations.data.trace)")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --trace files (default: refuse before the run)")
@@ -166,6 +170,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         das_config({"window": args.window, "decay": args.decay, "budget": args.budget}, name=lambda k: f"--{k.replace('_', '-')}")
     except ValueError as exc:
         p.error(str(exc))
+    if args.engines < 1:
+        p.error(f"--engines must be >= 1, got {args.engines}")
     args.pool = args.pool or args.prompts
     if args.pool < args.prompts:
         p.error(f"--pool ({args.pool}) must be >= --prompts ({args.prompts})")
@@ -210,6 +216,18 @@ def restore_features(before: str | None) -> None:
         os.environ.pop(FEATURES_ENV, None)
     else:
         os.environ[FEATURES_ENV] = before
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    """``--engines``, ``--placement`` and ``--engine-history`` (the multi-engine run, :mod:`integrations.rollout_engines`)."""
+    from scheduler.placement import ASSIGNMENTS
+
+    p.add_argument("--engines", type=int, default=1,
+                   help="rollout engines (vLLM on Ray workers, each bound to its own cores); 1: one engine in this process (default)")
+    p.add_argument("--placement", default="lpt", choices=ASSIGNMENTS,
+                   help="with --engines > 1: how GRPO groups go to engines (lpt: longest predicted work first; default %(default)s)")
+    p.add_argument("--engine-history", default="shared", choices=("shared", "own"),
+                   help="with --engines > 1: das drafters read one shared rollout history (default) or only their own engine's")
 
 
 def fit_to_problems(args: argparse.Namespace, num_problems: int) -> str | None:
@@ -551,8 +569,14 @@ def run_main(args: argparse.Namespace, argv: list[str] | None) -> int:
                               "model": model, "cpu_settings": settings, "coupled_sampling": args.coupled_sampling, "methods": {}}
     record: list | None = [] if args.trace else None
     with tqdm(total=len(args.methods) * args.iterations, desc="rollout iterations", unit="it", file=sys.stderr) as bar:
-        results = run_side_by_side(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar,
-                                   trace_method=args.method, rollouts=record, kv_gib=kv)
+        if args.engines > 1:
+            from integrations.rollout_engines import run_engines
+
+            results = run_engines(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar, trace_method=args.method,
+                                  rollouts=record, kv_gib=kv)
+        else:
+            results = run_side_by_side(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar,
+                                       trace_method=args.method, rollouts=record, kv_gib=kv)
     if record is not None:
         from integrations.data.trace import write_trace
 
@@ -563,6 +587,10 @@ def run_main(args: argparse.Namespace, argv: list[str] | None) -> int:
     compare_methods(report)
     report["title"] = f"{problem_set_name(args.data)}: {args.prompts} prompts x {args.samples} samples, {args.max_tokens} tokens max"
     print(format_table(report))
+    if args.engines > 1:
+        from integrations.rollout_engines import format_engines
+
+        print("\n" + format_engines(report))
     if args.json:
         from integrations.results import write_atomic
 

@@ -2,6 +2,9 @@
 
 A worker lost between iterations is replaced; a hung (SIGSTOPped) worker's groups are
 re-dispatched after the task deadline; a batch that keeps getting lost ends in a clear error.
+With the shared history (a real history actor; the stand-in's drafter is a dict): a worker killed
+mid-iteration has its groups finish elsewhere drafting from the full history, and a restarted
+history actor is refilled by the engines, which draft from what they hold meanwhile.
 """
 
 from __future__ import annotations
@@ -41,6 +44,43 @@ class EchoWorker:
         return os.getpid()
 
 
+class HistoryWorker(EchoWorker):
+    """A stand-in with the shared history: a real HistoryClient whose drafter is a dict.
+
+    Sample j of a group is ``[prompt[0], j, version, h]``, ``h`` the rollouts of the problem its
+    drafter held (from any engine) when the batch started.
+    """
+
+    def __init__(self, model, method, engine_kwargs, history=None, evict_after=2):
+        super().__init__(model, method, engine_kwargs)
+        from integrations.rl.history import NAMESPACE, HistoryClient
+
+        self.held = {}
+        self.client = HistoryClient(lambda: ray.get_actor(history, namespace=NAMESPACE), self._ingest, self._evict, evict_after=evict_after,
+                                    timeout_s=5)
+
+    def _ingest(self, rollouts):
+        for pid, _, out, _v in rollouts:
+            self.held.setdefault(pid, []).append(tuple(out))
+
+    def _evict(self, pids):
+        for p in pids:
+            self.held.pop(p, None)
+
+    def begin_iteration(self, policy_version):
+        super().begin_iteration(policy_version)
+        self.client.begin_iteration(policy_version)
+
+    def generate(self, groups, sampling, seed):
+        self.client.before_generate([(g.problem_id, g.prompt_ids) for g in groups])
+        time.sleep(self.delay)
+        out = {g.group_id: [[g.prompt_ids[0], j, self.version, len(self.held.get(g.problem_id, ()))] for j in range(g.n)] for g in groups}
+        rollouts = [(g.problem_id, g.prompt_ids, o, self.version) for g in groups for o in out[g.group_id]]
+        self._ingest(rollouts)
+        self.client.after_generate(rollouts)
+        return out
+
+
 @pytest.fixture(scope="module")
 def ray_session():
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import the tests
@@ -59,8 +99,63 @@ def expected(gs, version):
 
 def make_driver(**kw):
     engine = kw.pop("engine_kwargs", {})
-    return RayRolloutDriver("unused", "none", kw.pop("num_workers", 2), worker_cls=EchoWorker, engine_kwargs=engine,
-                            num_cpus_per_worker=0.5, **kw)
+    cls = kw.pop("worker_cls", EchoWorker)
+    return RayRolloutDriver("unused", "das" if cls is HistoryWorker else "none", kw.pop("num_workers", 2), worker_cls=cls,
+                            engine_kwargs=engine, num_cpus_per_worker=0.5, **kw)
+
+
+@slow
+def test_a_worker_killed_mid_iteration_has_its_groups_finish_elsewhere_from_the_full_history(ray_session):
+    drv = make_driver(worker_cls=HistoryWorker, task_timeout_s=30, engine_kwargs={"delay": 1.0}, placement="round_robin")
+    try:
+        gs = groups(4)
+        first = drv.run_iteration(gs, policy_version=1)
+        assert {s[3] for out in first.values() for s in out} == {0}  # nothing before the first iteration
+        killed = []
+
+        def kill_worker_zero(d, assignment):
+            ray.kill(d.workers[0])
+            killed.extend(int(i) for i in (assignment == 0).nonzero()[0])
+
+        second = drv.run_iteration(gs, policy_version=2, on_dispatch=kill_worker_zero)
+        assert killed and drv.redispatched_groups == len(killed)
+        # round robin put g_i on worker i % 2 in both iterations: the killed worker's groups now ran on
+        # worker 1, which never served them, and drafted from both version-1 rollouts of their problem
+        assert all(s[:3] == [gs[i].prompt_ids[0], j, 2] and s[3] == 2 for i in killed for j, s in enumerate(second[gs[i].group_id]))
+        third = drv.run_iteration(gs, policy_version=3)  # a replacement worker starts empty and pulls every problem it gets
+        assert all(s[3] == 4 for out in third.values() for s in out) and drv.replaced_workers == 1
+    finally:
+        drv.shutdown()
+
+
+@slow
+def test_a_restarted_history_actor_is_refilled_by_the_engines(ray_session):
+    drv = make_driver(worker_cls=HistoryWorker, task_timeout_s=30, engine_kwargs={"delay": 0.2}, placement="round_robin")
+    try:
+        gs = groups(4)
+        drv.run_iteration(gs, policy_version=1)
+        before = ray.get(drv.history.info.remote())
+        os.kill(before["pid"], signal.SIGKILL)  # its process dies; Ray starts it again, empty
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                info = ray.get(drv.history.info.remote(), timeout=5)
+                if info["epoch"] != before["epoch"]:
+                    break
+            except Exception:  # restarting
+                pass
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert info["rollouts"] == 0
+        # the groups swap engines: each engine drafts from what it holds, sees the new epoch, re-publishes and re-syncs
+        swapped = [Group(f"s{i}", f"p{(i + 1) % 4}", [100 + (i + 1) % 4, 1, 2], 2) for i in range(4)]
+        drv.run_iteration(swapped, policy_version=2)
+        third = drv.run_iteration(gs, policy_version=3)
+        after = ray.get(drv.history.info.remote())
+        assert after["rollouts"] == before["rollouts"] * 3  # versions 1, 2 and 3: nothing lost
+        assert all(s[3] == 4 for out in third.values() for s in out)  # each problem's versions 1 and 2 on whichever engine
+    finally:
+        drv.shutdown()
 
 
 @slow

@@ -252,7 +252,8 @@ def test_ray_worker_returns_each_groups_samples_in_order(fake_vllm):
     worker = RolloutWorker.__new__(RolloutWorker)  # the engine is the fake: skip building one
     worker.method, worker.llm = "das", llm
     out = worker.generate([Group("g1", "p1", [5], 2), Group("g2", "p2", [6], 1)], {"temperature": 0.0, "max_tokens": 6, "ignore_eos": True}, 11)
-    assert out == {"g1": [[0, 1], [100]], "g2": [[200, 201, 202]]}
+    assert out.outputs == {"g1": [[0, 1], [100]], "g2": [[200, 201, 202]]}
+    assert out.stats["tokens"] == 6 and out.stats["rollouts"] == 3 and out.stats["lengths"] == [2, 1, 3]
     assert [sp.kw["ignore_eos"] for _, _, sp in llm.llm_engine.added] == [True] * 3
 
 

@@ -117,6 +117,16 @@ class PolicyRun:
         self.method = spec.method
         self.das = spec.method == "das"
         self.trainer = PolicyTrainer(work.model_dir, rec.train, seed=rec.seed)
+        self.driver = None
+        self.budget = request_caps(rec)
+        self.version = 0
+        if rec.rollout.engines > 1:
+            self.llm = None
+            self.driver = self._start_engines()
+            self.driver.sync_weights(self.trainer.model)  # the trainer's weights, as one engine gets them from the checkpoint
+            if weights_hook is not None:
+                weights_hook(self.version, self.trainer.model)
+            return
         saved = os.environ.get(_KV_ENV)
         if work.kv_gib:
             os.environ[_KV_ENV] = str(work.kv_gib)
@@ -129,16 +139,61 @@ class PolicyRun:
                 os.environ.pop(_KV_ENV, None)
             else:
                 os.environ[_KV_ENV] = saved
-        self.budget = request_caps(rec)
-        self.version = 0
         if self.das:
             control.begin_iteration(self.llm, self.version)
         if weights_hook is not None:
             weights_hook(self.version, self.trainer.model)
 
+    def _start_engines(self):
+        """``rollout.engines`` Ray rollout workers (each bound to its own cores), one shared DAS history."""
+        import ray
+
+        from integrations.rl.ray_rollout import RayRolloutDriver
+
+        rec, spec = self.rec, self.rec.speculative
+        if not ray.is_initialized():
+            cores = cpu_runtime.read_cpu_info().cores if cpu_runtime.is_cpu_build() else 0
+            ray.init(num_cpus=max(cores, rec.rollout.engines), include_dashboard=False, log_to_driver=False)
+        kwargs = {"num_speculative_tokens": spec.num_speculative_tokens if spec.method != "none" else None,
+                  "das_config": dict(spec.das) if self.das else None, "dtype": rec.rollout.engine_dtype,
+                  "max_model_len": rec.rollout.max_model_len, "seed": rec.seed}
+        return RayRolloutDriver(self.work.model_dir, spec.method, rec.rollout.engines, placement=rec.rollout.placement,
+                                max_tokens=rec.rollout.max_tokens, temperature=rec.rollout.temperature, engine_kwargs=kwargs,
+                                num_cpus_per_worker=0, bind_cpus=True,
+                                worker_env={_KV_ENV: str(self.work.kv_gib)} if self.work.kv_gib else None)
+
+    def _generate(self, step: int, chosen: list[int], pids: list[str], caps: Any) -> Any:
+        """The step's rollouts as one :class:`~integrations.vllm_ext.rollouts.RolloutBatch`: from the
+        engine, or with ``rollout.engines > 1`` from every engine (pooled; finish times from each engine's batch start)."""
+        from integrations.rl.ray_rollout import Group
+        from integrations.vllm_ext.rollouts import Rollout, RolloutBatch
+
+        work, ro, seed = self.work, self.rec.rollout, self.rec.seed * 1_000_003 + step
+        if self.driver is None:
+            return generate_rollouts(self.llm, [work.prompts[i] for i in chosen], pids, samples=ro.samples, max_tokens=ro.max_tokens,
+                                     temperature=ro.temperature, top_p=ro.top_p, seed=seed, draft_caps=caps, das=self.das,
+                                     coupled=ro.coupled_sampling)
+        groups = [Group(f"{step}:{g}", pid, work.prompts[i], ro.samples, None if caps is None else caps[g])
+                  for g, (i, pid) in enumerate(zip(chosen, pids))]
+        sampling = {"top_p": ro.top_p, **({"das_coupled": True} if ro.coupled_sampling else {})}
+        out = self.driver.run_iteration(groups, self.version, seed=seed - self.version, sampling=sampling)
+        rep = self.driver.last_iteration
+        pooled = rep["pooled"]
+        rollouts = []
+        for g, grp in enumerate(groups):
+            fin = self.driver.last_finish.get(grp.group_id) or [("stop", rep["makespan_s"])] * len(out[grp.group_id])
+            rollouts += [Rollout(g, grp.problem_id, s, list(grp.prompt_ids), o, f[0], f[1]) for s, (o, f) in enumerate(zip(out[grp.group_id], fin))]
+        proposer = {"drafter_" + k: v for k, v in pooled.get("drafter", {}).items()} or None
+        return RolloutBatch(rollouts, rep["makespan_s"], pooled["draft_tokens"], pooled["accepted_tokens"], proposer=proposer,
+                            tail_row_steps=pooled["tail_row_steps"], tail_accepted_tokens=pooled["tail_accepted_tokens"])
+
     def warm_up(self) -> None:
-        """:func:`warm_up` with step 0's batch shape."""
-        warm_up(self.llm, self.work.first_batch_lengths(self.rec.rollout.samples))
+        """:func:`warm_up` with step 0's batch shape (on every engine)."""
+        lengths = self.work.first_batch_lengths(self.rec.rollout.samples)
+        if self.driver is not None:
+            self.driver.warm(lengths)
+        else:
+            warm_up(self.llm, lengths)
 
     def step(self, step: int, scorer: Scorer) -> tuple[dict[str, Any], Any, list[float]]:
         """GRPO step ``step``: rollouts of the step's problems, rewards, update, weight sync, next policy version.
@@ -159,9 +214,7 @@ class PolicyRun:
         pids = [work.problems[i].problem_id for i in chosen]
         caps = self.budget.caps(pids) if self.budget is not None else None
         t_roll = time.perf_counter()
-        batch = generate_rollouts(self.llm, [work.prompts[i] for i in chosen], pids, samples=ro.samples, max_tokens=ro.max_tokens,
-                                  temperature=ro.temperature, top_p=ro.top_p, seed=rec.seed * 1_000_003 + step, draft_caps=caps,
-                                  das=self.das, coupled=ro.coupled_sampling)
+        batch = self._generate(step, chosen, pids, caps)
         texts = [work.tokenizer.decode(r.output_ids, skip_special_tokens=True) for r in batch.rollouts]
         t_score = time.perf_counter()
         rewards, score_s = scorer(step, [work.problems[chosen[r.group]] for r in batch.rollouts],
@@ -175,9 +228,9 @@ class PolicyRun:
         t_train = time.perf_counter()
         tm = self.trainer.step([(r.prompt_ids, r.output_ids) for r in batch.rollouts], adv)
         t_sync = time.perf_counter()
-        sync = sync_weights(self.llm, self.trainer.model)
+        sync_s = sync_weights(self.llm, self.trainer.model).seconds if self.driver is None else self.driver.sync_weights(self.trainer.model)
         self.version += 1
-        if self.das:
+        if self.das and self.driver is None:  # the driver advances its engines at the start of each iteration
             control.begin_iteration(self.llm, self.version)
         if self.budget is not None:
             self.budget.observe(self.version - 1, [r.problem_id for r in batch.rollouts], [len(r.output_ids) for r in batch.rollouts])
@@ -197,17 +250,24 @@ class PolicyRun:
             "truncated": sum(r.finish_reason == "length" for r in batch.rollouts) / len(batch.rollouts),
             "acceptance_length": round(batch.acceptance_length, 4), "tail_acceptance_length": round(batch.tail_acceptance_length, 4),
             "draft_tokens": batch.draft_tokens, "accepted_tokens": batch.accepted_tokens, "draft_caps": caps,
-            "score_s": round(score_s, 3), "train_s": round(t_sync - t_train, 3), "sync_s": round(sync.seconds, 3),
+            "score_s": round(score_s, 3), "train_s": round(t_sync - t_train, 3), "sync_s": round(sync_s, 3),
             # the wall time of the step with the reward call's wall time replaced by the seconds charged for it
             "step_s": round(t_end - t_roll - (t_scored - t_score) + score_s, 3),
         }
         if batch.proposer is not None:
             keys = ("drafts", "draft_tokens", "propose_s", "fitted_steps", "drafter_problems", "drafter_tokens")
             record["proposer"] = {k: batch.proposer[k] for k in keys if k in batch.proposer}
+        if self.driver is not None:
+            rep = self.driver.last_iteration
+            record["engines"] = rep["engines"]
+            record["placement"] = rep["placement"]
         return record, batch, scores
 
     def close(self) -> None:
-        """Shut the engine down (the trainer, with the final weights, stays)."""
+        """Shut the engine(s) down (the trainer, with the final weights, stays)."""
+        if getattr(self, "driver", None) is not None:
+            self.driver.shutdown()
+            self.driver = None
         if getattr(self, "llm", None) is not None:
             del self.llm  # the last reference, before the parallel state goes
             release_engine_state()

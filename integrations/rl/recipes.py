@@ -35,6 +35,7 @@ from typing import Any
 
 from das.config import DEFAULTS, SHOWN_KEYS, das_config
 from scheduler import budgets
+from scheduler.placement import ASSIGNMENTS
 
 __all__ = [
     "RECIPES_DIR",
@@ -71,6 +72,8 @@ class RolloutSection:
     dtype: str = "auto"  # vLLM engine dtype; auto: this machine's (integrations.vllm_ext.cpu_runtime; bfloat16 on CUDA)
     max_model_len: int = 1024
     coupled_sampling: bool = False  # key each rollout's sampling (integrations.vllm_ext.patches.coupled_sampling)
+    engines: int = 1  # rollout engines; > 1: Ray workers bound to their own cores, one shared DAS history (integrations.rl.ray_rollout)
+    placement: str = "lpt"  # engines > 1: GRPO groups to engines by scheduler.placement (lpt | round_robin | random)
 
     @property
     def engine_dtype(self) -> str | None:
@@ -218,6 +221,8 @@ _RULES: dict[tuple[str, str], tuple[Callable[[Any], bool], str]] = {
     ("rollout", "dtype"): (lambda v: v in ("bfloat16", "float16", "float32", "auto"), "one of bfloat16, float16, float32, auto"),
     ("rollout", "max_model_len"): (lambda v: _is_int(v) and v >= 2, "an int >= 2"),
     ("rollout", "coupled_sampling"): (lambda v: isinstance(v, bool), "true or false"),
+    ("rollout", "engines"): (lambda v: _is_int(v) and v >= 1, "an int >= 1"),
+    ("rollout", "placement"): (lambda v: v in ASSIGNMENTS, f"one of {list(ASSIGNMENTS)}"),
     ("speculative", "method"): (lambda v: isinstance(v, str), "a string"),
     ("speculative", "num_speculative_tokens"): (lambda v: v is None or (_is_int(v) and v >= 1), "null or an int >= 1"),
     ("speculative", "das"): (lambda v: isinstance(v, dict), "a mapping"),
