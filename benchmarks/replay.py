@@ -1,6 +1,8 @@
 """Replay a recorded rollout trace through drafters, as the engine would use them.
 
-``python -m benchmarks.replay [--trace PATH] [--json PATH] [--plot PATH] [--scale]``
+``python -m benchmarks.replay [--trace PATH] [--json PATH] [--plot PATH] [--scale]``;
+``python -m benchmarks.replay --engines N --routing {rollout,group,sticky} [--shared-history]``
+replays the trace over N engines instead (:mod:`benchmarks.replay_engines`).
 
 Without ``--trace`` it replays the benchmarks' cached trace, recorded first with the real model
 when it is missing (:func:`integrations.data.trace.cached_trace`: DSR-sub where the shared data
@@ -101,12 +103,15 @@ def accepted_prefix(draft, truth, start: int) -> int:
     return m
 
 
-def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1, version_stride: int = 1) -> dict[str, Any]:
+def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1, version_stride: int = 1, *,
+           first_iteration: int = 0) -> dict[str, Any]:
     """Replay ``iterations`` through ``adapter``; returns the metrics (see the module docstring).
 
     Iteration ``it`` runs at policy version ``first_version + it * version_stride``: a stride of 1
     is a small data set whose problems come back every step; a stride of ``N`` plays each problem
-    coming back once per epoch of ``N`` steps (a large data set)."""
+    coming back once per epoch of ``N`` steps (a large data set). Its rollouts' request ids are
+    ``(first_iteration + it, i)`` (``i``: the rollout's index in its iteration's list), so that a
+    drafter replaying a trace one iteration at a time sees each request id once."""
     lat: list[int] = []
     add_ns = 0
     add_tokens = 0
@@ -134,7 +139,7 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
             n = len(rollouts)
             pos = [0] * n
             steps = [0] * n
-            rids = [(it, i) for i in range(n)]
+            rids = [(first_iteration + it, i) for i in range(n)]
             # prefill: the first token, one verification step without a draft
             for i, r in enumerate(rollouts):
                 t0 = perf()
@@ -205,7 +210,7 @@ def replay(adapter, iterations: list[list[TraceRollout]], first_version: int = 1
             makespan += max(steps)
             all_steps += steps
             all_lens += [r.output.shape[0] for r in rollouts]
-            per_iter.append({"iteration": it, "rollouts": n, "tokens": toks, "verification_steps": st,
+            per_iter.append({"iteration": first_iteration + it, "rollouts": n, "tokens": toks, "verification_steps": st,
                              "acceptance_length": round(toks / st, 4), "drafted_tokens": it_drafted,
                              "longest_rollout_steps": max(steps)})
     finally:
@@ -449,10 +454,43 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--scale-tokens", default="1e4,1e5,1e6,1e7", help="scale mode checkpoints (stored tokens)")
     p.add_argument("--no-record", action="store_true", help="fail instead of recording a trace when none is cached")
     p.add_argument("--model", default=None, help="model for recording (default: das-rollout's)")
+    p.add_argument("--engines", type=int, default=None,
+                   help="replay over this many engines, each with its own drafter, beside one engine (benchmarks.replay_engines); "
+                        "reports pooled acceptance only")
+    p.add_argument("--routing", default="group", choices=("rollout", "group", "sticky"),
+                   help="with --engines: rollouts scattered by a least-loaded balancer, groups placed by predicted work "
+                        "each iteration, or a problem always on one engine (default %(default)s)")
+    p.add_argument("--shared-history", action="store_true",
+                   help="with --engines: each engine's drafter receives the earlier rollouts of the problems it serves")
+    p.add_argument("--seed", type=int, default=0, help="with --engines: seed of the rollout routing's tie-breaks")
     args = p.parse_args(argv)
+    if args.engines is not None and args.engines < 1:
+        p.error(f"--engines must be >= 1, got {args.engines}")
     if args.version_stride < 1:
         p.error(f"--version-stride must be >= 1, got {args.version_stride}")
     return args
+
+
+def main_engines(args: argparse.Namespace, trace, iterations: list[list[TraceRollout]], names: list[str]) -> int:
+    """``--engines N``: each drafter over N engines with ``--routing`` (and ``--shared-history``),
+    beside one engine; the table, and ``--json`` (``{"trace", "k", "rows"}``)."""
+    from benchmarks.replay_engines import compare_to_one, format_rows, replay_engines
+
+    rows = []
+    for name in names:
+        kw = dict(k=args.k, config=default_config(name), seed=args.seed)
+        one = replay_engines(name, iterations, 1, args.routing, **kw)
+        rows.append({"trace": Path(trace).stem, **compare_to_one(one, one)})
+        if args.engines > 1:
+            e = replay_engines(name, iterations, args.engines, args.routing, shared_history=args.shared_history, **kw)
+            rows.append({"trace": Path(trace).stem, **compare_to_one(e, one)})
+    print(format_rows(rows))
+    if args.json:
+        from integrations.results import write_atomic
+
+        write_atomic(args.json, json.dumps({"trace": str(trace), "k": args.k, "rows": rows}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
 
 
 def main(argv=None) -> int:
@@ -463,7 +501,7 @@ def main(argv=None) -> int:
             CONFIGS[name] = json.loads(text)
     from integrations.results import check_output_path
 
-    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json else None)
+    plot = args.plot or (str(Path(args.json).with_suffix(".png")) if args.json and args.engines is None else None)
     if plot and importlib.util.find_spec("matplotlib") is None:
         if args.plot:
             print("replay: --plot needs matplotlib (pip install matplotlib, or the cpu / rl extra)", file=sys.stderr)
@@ -490,12 +528,11 @@ def main(argv=None) -> int:
         print(f"replay: {exc}", file=sys.stderr)
         return 2
     names = [n.strip() for n in args.drafters.split(",") if n.strip()]
-    if any(n.startswith("arctic") for n in names):
-        try:
-            import arctic_inference.suffix_decoding  # noqa: F401
-        except ImportError:
-            print("arctic-inference is not installed: skipping its drafters", file=sys.stderr)
-            names = [n for n in names if not n.startswith("arctic")]
+    from benchmarks.replay_engines import available_drafters
+
+    names = available_drafters(names)
+    if args.engines is not None:
+        return main_engines(args, trace, iterations, [n for n in names if n != "ngram"])
     warm_up(iterations, names)
     report: dict[str, Any] = {
         "trace": {"path": str(trace), "iterations": len(iterations), "rollouts": sum(len(r) for r in iterations),

@@ -58,6 +58,11 @@ class DASAdapter:
     def stop(self, rid) -> None:
         self.d.stop_request(rid)
 
+    def add_history(self, hid, prompt: np.ndarray, output: np.ndarray, pid: str, version: int) -> bool:
+        """Ingest a rollout finished on another engine (:meth:`das.DASDrafter.add_rollout`, with its
+        policy version); returns whether the drafter kept it (in the window)."""
+        return self.d.add_rollout(prompt, output, problem_id=pid, policy_version=version)
+
     def stored(self) -> tuple[int, int]:
         """(structural bytes, tokens) of the history (problem trees)."""
         s = self.d.stats()
@@ -114,6 +119,18 @@ class ArcticAdapter:
 
     def stop(self, rid) -> None:
         self.cache_of.pop(rid).stop_request(rid)
+
+    def add_history(self, hid, prompt: np.ndarray, output: np.ndarray, pid: str, version: int) -> bool:
+        """Ingest a rollout finished on another engine through the cache's public calls (start,
+        the whole response, stop: its response joins the global tree as a cached response);
+        ``hid`` is its request id, distinct from every replayed one. The cache has no policy
+        versions: ``version`` is not used."""
+        c = self._cache(pid)
+        c.start_request(hid, prompt)
+        c.add_active_response(hid, output)
+        c.stop_request(hid)
+        self.tokens += output.shape[0]
+        return True
 
     def stored(self) -> tuple[int, int]:
         """(arctic's own ``estimate_memory`` of its global trees, tokens added)."""
@@ -179,6 +196,9 @@ class NgramAdapter:
 
     def stop(self, rid) -> None:
         pass
+
+    def add_history(self, hid, prompt, output, pid, version) -> bool:
+        return False  # drafts from the request's own context only
 
     def stored(self) -> tuple[int, int]:
         return 0, 0

@@ -23,7 +23,7 @@
   (step-cost fits, calibration, payoff guard, warm-up and exploration, the budget).
 * :mod:`scheduler.speculation`: :class:`SpeculationScheduler`, caps before the drafter for other
   hosts; :func:`static_budgets` and :class:`RequestCaps`, per-problem caps at submission.
-* :mod:`scheduler.placement`: :func:`assign_groups`: groups to data-parallel workers (LPT).
+* :mod:`scheduler.placement`: :func:`assign_groups`: groups to data-parallel engines (LPT); the one placement code.
 """
 
 from scheduler.acceptance import DEFAULT_A, DEFAULT_K, accepted_tokens, estimate_acceptance, forward_passes, tokens_per_step
@@ -33,7 +33,7 @@ from scheduler.calibration import AcceptanceCalibration
 from scheduler.class_budgets import ClassBudget, ClassEq9Budget, ClassRooflineBudget
 from scheduler.cost_model import CostModel
 from scheduler.eq7 import Eq7Budget, Eq7Plan, Eq7Solver, optimal_proposals, round_caps, solve_n_fwd, step_saves_time
-from scheduler.placement import ASSIGNMENTS, assign_groups, compare_assignments, worker_loads
+from scheduler.placement import ASSIGNMENTS, assign_groups
 from scheduler.knee_cost import KneeCost
 from scheduler.planner import StepPlanner
 from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredictor, Prediction, classify, confusion_matrix, evaluate_predictor
@@ -75,8 +75,6 @@ __all__ = [
     "CostModel",
     "ASSIGNMENTS",
     "assign_groups",
-    "compare_assignments",
-    "worker_loads",
     "KneeCost",
     "CLASS_NAMES",
     "SHORT",
