@@ -33,8 +33,9 @@ Reported per drafter: pooled ``acceptance_length`` (tokens per verification step
 included, over all engines and iterations), ``drafted_per_accepted``, ``makespan_steps`` (sum
 over iterations of the largest step count of any rollout on any engine), the history sent
 (rollouts and tokens), and memory: each engine's drafter's structural bytes and stored tokens
-(the adapter's ``stored()``: DAS's ``stats()``, arctic's ``estimate_memory``) at its peak over
-iteration ends, as the largest and the mean over the engines that served anything.
+(the adapter's ``stored()``: DAS's ``stats()``, problem trees and global tree, arctic's
+``estimate_memory``) at its peak over iteration ends, as the largest and the mean over the engines
+that served anything; for DAS also the global tree's share.
 """
 
 from __future__ import annotations
@@ -152,6 +153,8 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
             nbytes, ntok = a.stored()
             pe["peak_bytes"] = max(pe["peak_bytes"], int(nbytes))
             pe["peak_tokens_stored"] = max(pe["peak_tokens_stored"], int(ntok))
+            if name == "das":  # of which the global tree (a fixed number of rollouts of any problem)
+                pe["peak_global_tree_bytes"] = max(pe.get("peak_global_tree_bytes", 0), int(a.d.stats()["global_tree_bytes"]))
             longest = max(longest, res["iterations"][0]["longest_rollout_steps"])
         makespan += longest
         for i, r in enumerate(rollouts):
@@ -169,6 +172,7 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
         "history_rollouts_sent": sent_rollouts, "history_rollouts_kept": kept, "history_tokens_sent": sent_tokens,
         "engine_peak_bytes_max": int(peaks.max()), "engine_peak_bytes_mean": round(float(peaks.mean()), 1),
         "engine_peak_tokens_stored_max": max(pe["peak_tokens_stored"] for pe in used),
+        **({"engine_peak_global_tree_bytes_max": max(pe["peak_global_tree_bytes"] for pe in used)} if name == "das" else {}),
         "per_engine": [{"engine": e, "acceptance_length": round(pe["tokens"] / pe["verification_steps"], 4), **pe}
                        for e, pe in per_engine.items() if pe["verification_steps"]],
     }
