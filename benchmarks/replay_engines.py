@@ -122,10 +122,12 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
     tot = {"tokens": 0, "verification_steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
     per_engine = {e: {"rollouts": 0, "tokens": 0, "verification_steps": 0, "peak_bytes": 0, "peak_tokens_stored": 0} for e in range(n_engines)}
     sent_rollouts = sent_tokens = kept = makespan = 0
+    per_iteration: list[float] = []
     by_problem: dict[str, list[tuple[int, int]]] = {}  # problem -> (iteration, index) of its finished rollouts
     for it, rollouts in enumerate(iterations):
         eng = engine_of[it]
         longest = 0
+        it_tokens = it_steps = 0
         for e in np.unique(eng).tolist():
             idx = np.flatnonzero(eng == e).tolist()
             a = adapters.get(e)
@@ -146,6 +148,8 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
             held[e].update((it, i) for i in idx)
             for key in tot:
                 tot[key] += res[key]
+            it_tokens += res["tokens"]
+            it_steps += res["verification_steps"]
             pe = per_engine[e]
             pe["rollouts"] += len(idx)
             pe["tokens"] += res["tokens"]
@@ -157,6 +161,7 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
                 pe["peak_global_tree_bytes"] = max(pe.get("peak_global_tree_bytes", 0), int(a.d.stats()["global_tree_bytes"]))
             longest = max(longest, res["iterations"][0]["longest_rollout_steps"])
         makespan += longest
+        per_iteration.append(round(it_tokens / it_steps, 4))
         for i, r in enumerate(rollouts):
             by_problem.setdefault(r.pid, []).append((it, i))
     used = [pe for pe in per_engine.values() if pe["verification_steps"]]
@@ -168,6 +173,7 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
         "drafted_per_accepted": round(tot["drafted_tokens"] / acc, 3) if acc else None,
         **tot,
         "makespan_steps": int(makespan),
+        "acceptance_per_iteration": per_iteration,
         "engines_used": len(used),
         "history_rollouts_sent": sent_rollouts, "history_rollouts_kept": kept, "history_tokens_sent": sent_tokens,
         "engine_peak_bytes_max": int(peaks.max()), "engine_peak_bytes_mean": round(float(peaks.mean()), 1),
