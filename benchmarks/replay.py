@@ -462,6 +462,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "each iteration, or a problem always on one engine (default %(default)s)")
     p.add_argument("--shared-history", action="store_true",
                    help="with --engines: each engine's drafter receives the earlier rollouts of the problems it serves")
+    p.add_argument("--share-global", action="store_true",
+                   help="with --shared-history: every engine's cross-problem tree also receives every other earlier rollout")
     p.add_argument("--seed", type=int, default=0, help="with --engines: seed of the rollout routing's tie-breaks")
     args = p.parse_args(argv)
     if args.engines is not None and args.engines < 1:
@@ -482,7 +484,8 @@ def main_engines(args: argparse.Namespace, trace, iterations: list[list[TraceRol
         one = replay_engines(name, iterations, 1, args.routing, **kw)
         rows.append({"trace": Path(trace).stem, **compare_to_one(one, one)})
         if args.engines > 1:
-            e = replay_engines(name, iterations, args.engines, args.routing, shared_history=args.shared_history, **kw)
+            e = replay_engines(name, iterations, args.engines, args.routing, shared_history=args.shared_history or args.share_global,
+                               share_global=args.share_global, **kw)
             rows.append({"trace": Path(trace).stem, **compare_to_one(e, one)})
     print(format_rows(rows))
     if args.json:

@@ -63,6 +63,11 @@ class DASAdapter:
         policy version); returns whether the drafter kept it (in the window)."""
         return self.d.add_rollout(prompt, output, problem_id=pid, policy_version=version)
 
+    def add_global_history(self, hid, prompt: np.ndarray, output: np.ndarray) -> bool:
+        """Ingest a rollout of a problem this engine does not serve into the global tree only
+        (:meth:`das.DASDrafter.add_rollout` with ``problem_tree=False``)."""
+        return self.d.add_rollout(prompt, output, problem_tree=False)
+
     def stored(self) -> tuple[int, int]:
         """(structural bytes, tokens) of the history (problem trees)."""
         s = self.d.stats()
@@ -132,6 +137,10 @@ class ArcticAdapter:
         self.tokens += output.shape[0]
         return True
 
+    def add_global_history(self, hid, prompt: np.ndarray, output: np.ndarray) -> bool:
+        """The cache has one cross-problem tree: as :meth:`add_history` (the shared cache, per problem, when ``per_problem``)."""
+        return self.add_history(hid, prompt, output, None, 0) if not self.per_problem else False
+
     def stored(self) -> tuple[int, int]:
         """(arctic's own ``estimate_memory`` of its global trees, tokens added)."""
         return sum(c._global_tree.estimate_memory() for c in self.caches.values()), self.tokens
@@ -199,6 +208,9 @@ class NgramAdapter:
 
     def add_history(self, hid, prompt, output, pid, version) -> bool:
         return False  # drafts from the request's own context only
+
+    def add_global_history(self, hid, prompt, output) -> bool:
+        return False
 
     def stored(self) -> tuple[int, int]:
         return 0, 0

@@ -4,7 +4,7 @@
 replays one configuration (beside the one-engine replay it is compared with);
 ``python -m benchmarks.replay_engines --trace A --trace B --engines 1,2,8,64 --json PATH`` runs
 the table of docs/benchmarks.md ("Many engines: routing and shared history"): every routing,
-with and without shared history, per trace and engine count.
+with and without shared history (``--histories``), per trace and engine count.
 
 Each engine replays its share of every iteration through its own drafter, exactly as
 :func:`benchmarks.replay.replay` replays a trace through one (the engine's rollouts of an
@@ -27,7 +27,9 @@ receives every rollout of that problem from earlier iterations that it does not 
 its policy version (DAS: :meth:`das.DASDrafter.add_rollout`, which keeps what is in its window;
 arctic-inference: start, response, stop of the cache's public calls, so the response joins its
 global tree); as a shared history actor would send it. An engine holds only the history of the
-problems it serves (and, arctic and DAS's global tree, those problems' responses).
+problems it serves (and, arctic and DAS's global tree, those problems' responses). With
+``share_global`` as well, every engine's cross-problem tree also receives every other rollout of
+the earlier iterations (DAS keeps the newest ``global_rollouts`` of them, a fixed amount).
 
 Reported per drafter: pooled ``acceptance_length`` (tokens per verification step, bonus token
 included, over all engines and iterations), ``drafted_per_accepted``, ``makespan_steps`` (sum
@@ -95,7 +97,8 @@ def route(iterations: list[list[TraceRollout]], n_engines: int, routing: str, *,
 
 
 def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: int, routing: str, *, shared_history: bool = False,
-                   k: int = DEFAULT_K, config: dict[str, Any] | None = None, seed: int = 0, engine_of: list[np.ndarray] | None = None) -> dict[str, Any]:
+                   share_global: bool = False, k: int = DEFAULT_K, config: dict[str, Any] | None = None, seed: int = 0,
+                   engine_of: list[np.ndarray] | None = None) -> dict[str, Any]:
     """Replay ``iterations`` over ``n_engines`` engines, each with its own ``name`` drafter (module doc).
 
     Args:
@@ -104,6 +107,9 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
         n_engines, routing: see :func:`route`; ``engine_of`` (one int array per iteration)
             overrides the routing's placement.
         shared_history: engines receive the earlier rollouts of the problems they serve.
+        share_global: engines also receive every other earlier rollout into their cross-problem
+            tree (DAS's global tree, arctic's cache), as a history that pushes each iteration's
+            rollouts to every engine does.
         k: most draft tokens per step; config: the drafter's settings.
 
     Returns:
@@ -119,6 +125,7 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
     config = dict(config or {})
     adapters: dict[int, Any] = {}
     held: dict[int, set] = {}
+    held_global: dict[int, set] = {}
     tot = {"tokens": 0, "verification_steps": 0, "drafted_tokens": 0, "accepted_tokens": 0}
     per_engine = {e: {"rollouts": 0, "tokens": 0, "verification_steps": 0, "peak_bytes": 0, "peak_tokens_stored": 0} for e in range(n_engines)}
     sent_rollouts = sent_tokens = kept = makespan = 0
@@ -134,6 +141,7 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
             if a is None:
                 a = adapters[e] = make_adapter(name, k, **config)
                 held[e] = set()
+                held_global[e] = set()
             a.begin_iteration(it + 1)
             if shared_history:
                 for pid in dict.fromkeys(rollouts[i].pid for i in idx):
@@ -142,10 +150,20 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
                             h = iterations[key[0]][key[1]]
                             kept += bool(a.add_history(("history",) + key, h.prompt, h.output, pid, key[0] + 1))
                             held[e].add(key)
+                            held_global[e].add(key)
                             sent_rollouts += 1
                             sent_tokens += h.output.shape[0]
+            if share_global:
+                for key in ((j, i) for j in range(it) for i in range(len(iterations[j]))):
+                    if key not in held_global[e]:
+                        h = iterations[key[0]][key[1]]
+                        kept += bool(a.add_global_history(("global",) + key, h.prompt, h.output))
+                        held_global[e].add(key)
+                        sent_rollouts += 1
+                        sent_tokens += h.output.shape[0]
             res = replay(a, [[rollouts[i] for i in idx]], first_version=it + 1, first_iteration=it)
             held[e].update((it, i) for i in idx)
+            held_global[e].update((it, i) for i in idx)
             for key in tot:
                 tot[key] += res[key]
             it_tokens += res["tokens"]
@@ -169,6 +187,7 @@ def replay_engines(name: str, iterations: list[list[TraceRollout]], n_engines: i
     acc = tot["accepted_tokens"]
     return {
         "drafter": name, "k": k, "config": config, "engines": n_engines, "routing": routing, "shared_history": shared_history,
+        "share_global": share_global,
         "acceptance_length": round(tot["tokens"] / tot["verification_steps"], 4),
         "drafted_per_accepted": round(tot["drafted_tokens"] / acc, 3) if acc else None,
         **tot,
@@ -205,46 +224,56 @@ def available_drafters(names) -> list[str]:
     return names
 
 
+HISTORIES = {"own": (False, False), "problem": (True, False), "global": (True, True)}
+
+
 def run_table(traces: dict[str, list[list[TraceRollout]]], engines, routings=ROUTINGS, names=ENGINE_DRAFTERS, *, k: int = DEFAULT_K,
-              seed: int = 0, configs: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+              seed: int = 0, configs: dict[str, dict[str, Any]] | None = None, histories=("own", "problem")) -> list[dict[str, Any]]:
     """Rows of the docs' table: per trace and drafter, one engine, then each engine count > 1 x
-    routing x (own history, shared history), each with its ratios to one engine."""
+    routing x history (``own``: each engine its own; ``problem``: ``shared_history``; ``global``:
+    also ``share_global``), each with its ratios to one engine."""
     rows = []
     configs = configs or {}
     for label, iterations in traces.items():
         for name in names:
             cfg = configs.get(name, {})
             one = replay_engines(name, iterations, 1, "group", k=k, config=cfg, seed=seed)
-            rows.append({"trace": label, **compare_to_one(one, one)})
+            rows.append({"trace": label, "history": "one", **compare_to_one(one, one)})
             for n in engines:
                 if n == 1:
                     continue
                 for routing in routings:
-                    for shared in (False, True):
-                        print(f"{label}: {name} N={n} {routing} shared={shared} ...", file=sys.stderr, flush=True)
-                        e = replay_engines(name, iterations, n, routing, shared_history=shared, k=k, config=cfg, seed=seed)
-                        rows.append({"trace": label, **compare_to_one(e, one)})
+                    for hist in histories:
+                        shared, glob = HISTORIES[hist]
+                        print(f"{label}: {name} N={n} {routing} history={hist} ...", file=sys.stderr, flush=True)
+                        e = replay_engines(name, iterations, n, routing, shared_history=shared, share_global=glob, k=k, config=cfg, seed=seed)
+                        rows.append({"trace": label, "history": hist, **compare_to_one(e, one)})
     return rows
 
 
+def _history(r: dict[str, Any]) -> str:
+    return r.get("history") or ("one" if r["engines"] == 1 else "global" if r.get("share_global") else "problem" if r["shared_history"] else "own")
+
+
 def format_rows(rows: list[dict[str, Any]]) -> str:
-    """The table as text (tabulate): one row per configuration, own and shared history side by side."""
+    """The table as text (tabulate): one line per trace, drafter, N and routing; per history
+    (own, shared problem history, and that plus the global share where run) the pooled acceptance
+    length, its ratio to one engine, drafted per accepted and the largest engine's peak MB."""
     from tabulate import tabulate
 
-    index: dict[tuple, dict[bool, dict[str, Any]]] = {}
+    index: dict[tuple, dict[str, dict[str, Any]]] = {}
     for r in rows:
-        index.setdefault((r["trace"], r["drafter"], r["engines"], r["routing"] if r["engines"] > 1 else "-"), {})[r["shared_history"]] = r
+        index.setdefault((r["trace"], r["drafter"], r["engines"], r["routing"] if r["engines"] > 1 else "-"), {})[_history(r)] = r
+    hists = [h for h in ("one", "own", "problem", "global") if any(h in by for by in index.values())]
     table = []
     for (trace, name, n, routing), by in index.items():
-        own, sh = by.get(False), by.get(True)
-        table.append([trace, name, n, routing,
-                      own and own["acceptance_length"], own and own["acceptance_vs_one"], sh and sh["acceptance_length"], sh and sh["acceptance_vs_one"],
-                      own and own["drafted_per_accepted"], sh and sh["drafted_per_accepted"],
-                      own and own["engine_peak_bytes_max"] / 1e6, sh and sh["engine_peak_bytes_max"] / 1e6,
-                      (sh or own)["engine_peak_bytes_vs_one"] if n > 1 and sh else None])
-    return tabulate(table, ["trace", "drafter", "N", "routing", "acc own", "x one", "acc shared", "x one", "d/a own", "d/a shared",
-                            "MB/eng own", "MB/eng shared", "MB shared x one"],
-                    floatfmt=["", "", "", "", ".3f", ".3f", ".3f", ".3f", ".2f", ".2f", ".2f", ".2f", ".2f"], missingval="-")
+        line = [trace, name, n, routing]
+        for h in hists:
+            e = by.get(h)
+            line += [e and e["acceptance_length"], e and e["acceptance_vs_one"], e and e["drafted_per_accepted"], e and e["engine_peak_bytes_max"] / 1e6]
+        table.append(line)
+    head = ["trace", "drafter", "N", "routing"] + [f"{h} {c}" for h in hists for c in ("acc", "x one", "d/a", "MB/eng")]
+    return tabulate(table, head, floatfmt=["", "", "", ""] + [".3f", ".3f", ".2f", ".2f"] * len(hists), missingval="-")
 
 
 def main(argv=None) -> int:
@@ -253,6 +282,9 @@ def main(argv=None) -> int:
     p.add_argument("--engines", default="1,2,8,64", help="engine counts (comma-separated; 1 is always run: the reference)")
     p.add_argument("--routing", default=",".join(ROUTINGS), help=f"routings, a subset of {','.join(ROUTINGS)}")
     p.add_argument("--drafters", default=",".join(ENGINE_DRAFTERS), help="drafters (das, arctic_suffix)")
+    p.add_argument("--histories", default="own,problem",
+                   help="histories of the engines: own (each its own), problem (shared problem history), global (that and every "
+                        "other earlier rollout in the cross-problem tree); comma-separated")
     p.add_argument("--k", type=int, default=DEFAULT_K, help="most draft tokens per step")
     p.add_argument("--seed", type=int, default=0, help="seed of the rollout routing's tie-breaks")
     p.add_argument("--json", default=None, help="write the rows here")
@@ -263,8 +295,10 @@ def main(argv=None) -> int:
     try:
         engines = [int(x) for x in args.engines.split(",") if x.strip()]
         routings = [x.strip() for x in args.routing.split(",") if x.strip()]
-        if not engines or min(engines) < 1 or any(r not in ROUTINGS for r in routings):
-            raise ValueError(f"--engines must be ints >= 1 and --routing a subset of {ROUTINGS}, got {args.engines!r}, {args.routing!r}")
+        histories = [x.strip() for x in args.histories.split(",") if x.strip()]
+        if not engines or min(engines) < 1 or any(r not in ROUTINGS for r in routings) or any(h not in HISTORIES for h in histories):
+            raise ValueError(f"--engines must be ints >= 1, --routing a subset of {ROUTINGS} and --histories of {tuple(HISTORIES)}, "
+                             f"got {args.engines!r}, {args.routing!r}, {args.histories!r}")
         if args.json:
             check_output_path(args.json, overwrite=args.overwrite)
         traces = {}
@@ -275,7 +309,7 @@ def main(argv=None) -> int:
         print(f"replay_engines: {exc}", file=sys.stderr)
         return 2
     names = available_drafters(x.strip() for x in args.drafters.split(",") if x.strip())
-    rows = run_table(traces, engines, routings, names, k=args.k, seed=args.seed)
+    rows = run_table(traces, engines, routings, names, k=args.k, seed=args.seed, histories=histories)
     print(format_rows(rows))
     if args.json:
         import os
@@ -284,7 +318,7 @@ def main(argv=None) -> int:
         report = {"traces": {label: {"path": spec.rpartition("=")[2], "iterations": len(its), "rollouts": sum(len(r) for r in its),
                                      "tokens": int(sum(r.output.shape[0] for rs in its for r in rs))}
                              for (label, its), spec in zip(traces.items(), args.trace)},
-                  "k": args.k, "seed": args.seed, "engines": engines, "routings": routings,
+                  "k": args.k, "seed": args.seed, "engines": engines, "routings": routings, "histories": histories,
                   "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor(), "python": sys.version.split()[0]},
                   "rows": rows}
         write_atomic(args.json, json.dumps(report, indent=1))

@@ -142,3 +142,19 @@ def test_cli_engines_writes_rows(tmp_path, synthetic_trace):
     rows = json.loads(out.read_text())["rows"]
     assert [(r["engines"], r["routing"], r["shared_history"]) for r in rows] == [(1, "rollout", False), (2, "rollout", True)]
     assert rows[0]["acceptance_vs_one"] == 1.0 and rows[1]["acceptance_length"] >= 1.0
+
+
+def test_global_share_fills_the_cross_problem_tree_only():
+    from das import DASDrafter
+
+    d = DASDrafter()
+    assert d.add_rollout([1, 2, 3], [4, 5, 6, 7], problem_id="elsewhere", problem_tree=False)
+    assert "elsewhere" not in d and d.stats()["global_rollouts"] == 1 and d.stats()["problems"] == 0
+    assert not DASDrafter(global_rollouts=0).add_rollout([1, 2], [3], problem_id="x", problem_tree=False)
+    its = _repeated_trace(2)
+    eng = [np.array([0, 0, 0, 1, 1, 1])] * 2  # p0 on engine 0, p1 on engine 1, both iterations
+    plain = replay_engines("das", its, 2, "sticky", shared_history=True, engine_of=eng)
+    glob = replay_engines("das", its, 2, "sticky", shared_history=True, share_global=True, engine_of=eng)
+    assert plain["history_rollouts_sent"] == 0 and glob["history_rollouts_sent"] == 6  # each engine: the other's 3 of iteration 0
+    assert glob["engine_peak_global_tree_bytes_max"] > plain["engine_peak_global_tree_bytes_max"]
+    assert glob["tokens"] == plain["tokens"]
