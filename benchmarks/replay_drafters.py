@@ -4,7 +4,10 @@ Each adapter is driven exactly as a vLLM proposer drives its drafter: ``start`` 
 first samples (its prompt), ``add`` with the tokens each verification step produced, ``propose``
 for the next step, ``stop`` when the request finishes; ``begin_iteration`` between policy
 versions. ``propose`` gets the request's context (prompt + output so far, an ``int32`` view) and
-returns the draft (a sequence of at most ``k`` token ids).
+returns the draft (a sequence of at most ``k`` token ids). The many-engine replay
+(:mod:`benchmarks.replay_engines`) also hands an engine's drafter rollouts finished on other
+engines: ``add_history`` (a problem it serves, with its policy version) and
+``add_global_history`` (any problem, into the cross-problem tree only).
 
 * :class:`DASAdapter`: :class:`das.DASDrafter` (per-problem trees + request tree).
 * :class:`ArcticAdapter`: arctic-inference's ``SuffixDecodingCache`` configured and called as
