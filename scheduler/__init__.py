@@ -33,8 +33,8 @@ from scheduler.calibration import AcceptanceCalibration
 from scheduler.class_budgets import ClassBudget, ClassEq9Budget, ClassRooflineBudget
 from scheduler.cost_model import CostModel
 from scheduler.eq7 import Eq7Budget, Eq7Plan, Eq7Solver, optimal_proposals, round_caps, solve_n_fwd, step_saves_time
-from scheduler.placement import ASSIGNMENTS, assign_groups
 from scheduler.knee_cost import KneeCost
+from scheduler.placement import ASSIGNMENTS, assign_groups
 from scheduler.planner import StepPlanner
 from scheduler.predictor import CLASS_NAMES, LONG, MEDIUM, SHORT, LengthPredictor, Prediction, classify, confusion_matrix, evaluate_predictor
 from scheduler.priced_budgets import CostBudget, MakespanBudget
