@@ -418,18 +418,20 @@ class DASDrafter:
         if req.problem is not None:
             self._problems.stop_rollout(req_id, req.problem_id, req.problem, req.version, req.problem_seq)
 
-    def add_rollout(self, prompt_ids, output_ids, problem_id: Hashable | None = None, policy_version: int | None = None) -> bool:
+    def add_rollout(self, prompt_ids, output_ids, problem_id: Hashable | None = None, policy_version: int | None = None, *,
+                    problem_tree: bool = True) -> bool:
         """Ingest a finished rollout recorded elsewhere (another worker, a trace).
 
         Args:
             prompt_ids, output_ids: 1-D integer array-likes; the last ``max_depth - 1`` prompt
-                tokens and the output become one sequence of the problem tree.
+                tokens and the output become one sequence of the problem tree (and of the global tree).
             problem_id: default :func:`problem_id` of ``prompt_ids``.
             policy_version: int, default the current version. Rollouts older than the window and
                 not of the problem's last ``keep_visits`` visits are ignored.
+            problem_tree: False: the global tree only (a problem this drafter does not serve).
 
         Returns:
-            Whether the rollout was stored.
+            Whether the rollout was stored (False for ``problem_tree=False`` without a global tree).
 
         Raises:
             ValueError: bad tokens or version.
@@ -442,6 +444,10 @@ class DASDrafter:
         store = self._problems
         v = store.version if policy_version is None else int_arg(policy_version, "policy_version")
         pid = problem_id if problem_id is not None else problem_store.problem_id(prompt)
+        if not problem_tree:
+            if self._global is not None:
+                self._global.add_finished(np.concatenate([store.prompt_tail(prompt), out]))
+            return self._global is not None
         if not store.accepts(pid, v):
             return False
         prob = store.use(pid)
