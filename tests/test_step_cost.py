@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks.replay import load_trace
-from benchmarks.step_cost import Workload, main, simulate
+from benchmarks.step_cost import Workload, copy_tokens, main, simulate
 
 
 def test_paths_take_the_same_steps_and_rows_are_replicated(tmp_path, synthetic_trace):
@@ -141,3 +141,27 @@ def test_without_a_trace_the_default_one_is_recorded_once_then_reused(tmp_path, 
     capsys.readouterr()
     assert main(args + ["--no-record"]) == 2 and len(recorded) == 1
     assert "no rollout trace cached at" in capsys.readouterr().err
+
+
+def test_context_lengthens_each_prompt_at_its_front_to_the_gpu_shape(tmp_path, synthetic_trace):
+    """``--context N``: every queued rollout's context (prompt + output) ends at ``N`` tokens, its
+    own prompt and output unchanged at the end, the filler the trace's text in the copy's
+    alphabet; 0 leaves the trace's rollouts as they are; the report keys the rows by rows@context."""
+    iterations = load_trace(synthetic_trace(length=60))
+    plain, long = Workload(iterations, rows=8), Workload(iterations, rows=8, context=500)
+    assert len(plain.pool) == len(long.pool) and long.width == 500
+    for (pid, prompt, full), (pid2, prompt2, full2) in zip(plain.pool, long.pool):
+        assert pid == pid2 and full2.shape[0] == 500 and full2.dtype == np.int32
+        assert np.array_equal(full2[500 - full.shape[0] :], full) and np.array_equal(prompt2[-prompt.shape[0] :], prompt)
+    copy = int(long.pool[-1][0].split("#")[1])
+    alphabet = {int(t) for r in iterations[-1] for t in copy_tokens(r.full, copy)}
+    assert {int(t) for t in long.pool[-1][2]} <= alphabet
+    run = simulate(long, "batch", k=8, max_steps=20)
+    assert run["steps"] > 0
+    out = tmp_path / "cost.json"
+    args = ["--trace", str(synthetic_trace(length=60)), "--rows", "4", "--context", "300", "--paths", "batch", "--repeats", "1",
+            "--max-steps", "10", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert list(report["rows"]) == ["4@300"] and report["rows"]["4@300"]["context"] == 300
+    assert main(args[:4] + ["--context", "-1"]) == 2
