@@ -57,7 +57,7 @@ Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slo
 :func:`draft_two_trees`; a verb's token argument, checked before anything changes: :func:`first_bad_token`;
 for all rows of an engine step :func:`check_batch`, :func:`add_batch`
 (:func:`add_batch_global` for the global tree; both on several threads, with the mixer's
-learning, in :func:`das.step_kernels.insert_batch_parallel`)
+learning, in :func:`das.step_threads.insert_batch_parallel`)
 and :func:`draft_batch` (:func:`draft_batch_parallel` on several threads). Python side:
 :func:`buffer_layout`, :func:`new_buffer` and :func:`buffer_views`. Other numba code may build on
 :func:`borrowed_views`, :func:`greedy_walk` and :func:`prefetch`.

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,75 +70,6 @@ def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_ther
     assert "priced at c_base 0.02" in capsys.readouterr().out
     assert main(args[:-2] + ["--prices", "0.02,0.001"]) == 2  # the batch path has no budget to price
     assert main(args + ["--prices", "0.02"]) == 2
-
-
-@pytest.mark.slow  # numba compiles two copies of the mix kernel module from fresh files: about 20 s of CPU
-def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys, synthetic_trace):
-    """``benchmarks.kernel_pair`` times two versions of the mix kernel on the same steps and counts
-    the steps whose drafts differ: none for a copy, some for a kernel that clips harder."""
-    from pathlib import Path
-
-    import das.mix_kernels as current
-    from benchmarks import kernel_pair
-
-    src = Path(current.__file__).read_text()
-    same, other = tmp_path / "same_mix.py", tmp_path / "other_mix.py"
-    same.write_text(src)
-    assert "_CLIP = 0.002\n" in src
-    other.write_text(src.replace("_CLIP = 0.002\n", "_CLIP = 0.2\n"))
-    work = Workload(load_trace(synthetic_trace(length=60)), rows=8)
-    for path, differs in ((same, False), (other, True)):
-        run = kernel_pair.paired_run(work, kernel_pair.load_kernels(path), k=8, max_steps=30, threads=1)
-        assert run["base"].shape == run["new"].shape and run["base"].shape[0] > kernel_pair.SKIP
-        assert (run["differ"] > 0) == differs
-    out = tmp_path / "pair.json"
-    assert kernel_pair.main(["--base", str(same), "--trace", str(synthetic_trace(length=60)), "--rows", "4", "--max-steps", "20",
-                             "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["steps_drafting_differently"] == 0
-    assert "new / base" in capsys.readouterr().out
-    assert kernel_pair.main(["--base", str(tmp_path / "trace.parquet"), "--trace", str(synthetic_trace(length=60))]) == 2
-
-
-def test_deferred_global_appends_run_between_steps_and_are_reported(tmp_path, synthetic_trace):
-    """``--gpu-ms`` waits between steps (untimed) and ``defer_global`` runs the global tree's
-    appends then: the report carries their time per step; the drafts read a global tree one
-    step behind, so only the batch path runs (the per-row path appends at once)."""
-    out = tmp_path / "cost.json"
-    args = ["--trace", str(synthetic_trace(length=60)), "--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch",
-            "--gpu-ms", "1", "--das", '{"defer_global": true}', "--json", str(out)]
-    assert main(args) == 0
-    report = json.loads(out.read_text())
-    assert report["gpu_ms"] == 1.0 and report["das"] == {"defer_global": True}
-    assert report["rows"]["4"]["deferred_ms_mean"] > 0
-    assert main(args[:-2] + ["--gpu-ms", "-1"]) == 2
-
-
-def test_without_a_trace_the_default_one_is_recorded_once_then_reused(tmp_path, capsys, monkeypatch, synthetic_trace):
-    """A fresh clone has no cached trace: step_cost records the benchmarks' default one (the real
-    model's run is stood in for by a copy of a small trace) and reuses it afterwards."""
-    import integrations.data.trace as trace_mod
-
-    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "cache"))
-    src = synthetic_trace(length=60)
-    recorded = []
-
-    def record(path, data=None, model=None, **record):
-        recorded.append(Path(path))
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy(src, path)
-        return Path(path)
-
-    monkeypatch.setattr(trace_mod, "record_trace", record)
-    args = ["--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch"]
-    out = tmp_path / "out.json"
-    assert main(args + ["--json", str(out)]) == 0
-    assert recorded == [trace_mod.default_trace_path()]
-    assert json.loads(out.read_text())["trace"]["path"] == str(recorded[0])
-    assert main(args + ["--no-record"]) == 0 and len(recorded) == 1  # cached now
-    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "empty"))
-    capsys.readouterr()
-    assert main(args + ["--no-record"]) == 2 and len(recorded) == 1
-    assert "no rollout trace cached at" in capsys.readouterr().err
 
 
 def test_context_lengthens_each_prompt_at_its_front_to_the_gpu_shape(tmp_path, synthetic_trace):
