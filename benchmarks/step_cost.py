@@ -55,8 +55,8 @@ and only the batch paths are checked against each other.
 
 GPU shapes (``--context N``): a GPU engine runs 256 to 1,024 rows at contexts of 4K-16K tokens,
 where the trace's are a few hundred. Each rollout's prompt is then lengthened at its front with the
-trace's own text (its iteration's prompts and outputs, in the copy's alphabet) so that its context
-ends at ``N`` tokens: the request trees hold ``N`` tokens each (the problem and global trees
+trace's text of the other problems (in the copy's alphabet) so that its context ends at ``N``
+tokens: the request trees hold ``N`` tokens each (the problem and global trees
 only a prompt's last ``max_depth - 1`` tokens, as always), and starting a request costs that
 much more (timed apart, in ``lifecycle_ms_mean``).
 
@@ -124,8 +124,10 @@ def long_prompt(prompt: np.ndarray, output_len: int, context: int, filler: np.nd
 class Workload:
     """The trace, replicated for ``rows`` running requests (see the module docstring). ``context``
     (tokens, 0: the trace's own): each rollout's prompt is lengthened at its front so that its
-    context ends at ``context`` tokens (:func:`long_prompt`), with the trace's text (the current
-    iteration's rollouts, prompts and outputs, in the copy's token alphabet) as the filler."""
+    context ends at ``context`` tokens (:func:`long_prompt`), with the trace's text of the other
+    problems (their rollouts' prompts and outputs, every iteration, in the copy's token alphabet)
+    as the filler: never the rollout's own text or its siblings', which would hand the request
+    tree the continuation to draft (a problem alone in the trace gets its prompt repeated)."""
 
     def __init__(self, iterations, rows: int, context: int = 0):
         current = iterations[-1]
@@ -135,12 +137,17 @@ class Workload:
         self.context = context
         # queued rollouts: (problem id, prompt, full = prompt + output)
         self.pool = []
-        text = np.concatenate([r.full for r in current]).astype(np.int32)
+        text = {}  # problem -> the other problems' text
+        if context:
+            every = [r for rs in iterations for r in rs]
+            for pid in {r.pid for r in current}:
+                other = [r.full for r in every if r.pid != pid]
+                text[pid] = np.concatenate(other or [r.prompt for r in current if r.pid == pid]).astype(np.int32)
         for c in range(copies):
-            filler = copy_tokens(text, c)
             for i, r in enumerate(current):
                 prompt, output = copy_tokens(r.prompt, c), copy_tokens(r.output, c)
                 if context:
+                    filler = copy_tokens(text[r.pid], c)
                     prompt = long_prompt(prompt, output.shape[0], context, filler, 7919 * (c * len(current) + i))
                 self.pool.append((f"{r.pid}#{c}", prompt, np.concatenate([prompt, output]).astype(np.int32)))
         self.width = max(full.shape[0] for _, _, full in self.pool)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -72,9 +74,51 @@ def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_ther
     assert main(args + ["--prices", "0.02"]) == 2
 
 
+def test_deferred_global_appends_run_between_steps_and_are_reported(tmp_path, synthetic_trace):
+    """``--gpu-ms`` waits between steps (untimed) and ``defer_global`` runs the global tree's
+    appends then: the report carries their time per step; the drafts read a global tree one
+    step behind, so only the batch path runs (the per-row path appends at once)."""
+    out = tmp_path / "cost.json"
+    args = ["--trace", str(synthetic_trace(length=60)), "--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch",
+            "--gpu-ms", "1", "--das", '{"defer_global": true}', "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["gpu_ms"] == 1.0 and report["das"] == {"defer_global": True}
+    assert report["rows"]["4"]["deferred_ms_mean"] > 0
+    assert main(args[:-2] + ["--gpu-ms", "-1"]) == 2
+
+
+def test_without_a_trace_the_default_one_is_recorded_once_then_reused(tmp_path, capsys, monkeypatch, synthetic_trace):
+    """A fresh clone has no cached trace: step_cost records the benchmarks' default one (the real
+    model's run is stood in for by a copy of a small trace) and reuses it afterwards."""
+    import integrations.data.trace as trace_mod
+
+    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "cache"))
+    src = synthetic_trace(length=60)
+    recorded = []
+
+    def record(path, data=None, model=None, **record):
+        recorded.append(Path(path))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(src, path)
+        return Path(path)
+
+    monkeypatch.setattr(trace_mod, "record_trace", record)
+    args = ["--rows", "4", "--repeats", "1", "--max-steps", "20", "--paths", "batch"]
+    out = tmp_path / "out.json"
+    assert main(args + ["--json", str(out)]) == 0
+    assert recorded == [trace_mod.default_trace_path()]
+    assert json.loads(out.read_text())["trace"]["path"] == str(recorded[0])
+    assert main(args + ["--no-record"]) == 0 and len(recorded) == 1  # cached now
+    monkeypatch.setenv("DAS_CACHE_DIR", str(tmp_path / "empty"))
+    capsys.readouterr()
+    assert main(args + ["--no-record"]) == 2 and len(recorded) == 1
+    assert "no rollout trace cached at" in capsys.readouterr().err
+
+
 def test_context_lengthens_each_prompt_at_its_front_to_the_gpu_shape(tmp_path, synthetic_trace):
     """``--context N``: every queued rollout's context (prompt + output) ends at ``N`` tokens, its
-    own prompt and output unchanged at the end, the filler the trace's text in the copy's
+    own prompt and output unchanged at the end, the filler the other problems' text in the copy's
     alphabet; 0 leaves the trace's rollouts as they are; the report keys the rows by rows@context."""
     iterations = load_trace(synthetic_trace(length=60))
     plain, long = Workload(iterations, rows=8), Workload(iterations, rows=8, context=500)
@@ -82,9 +126,10 @@ def test_context_lengthens_each_prompt_at_its_front_to_the_gpu_shape(tmp_path, s
     for (pid, prompt, full), (pid2, prompt2, full2) in zip(plain.pool, long.pool):
         assert pid == pid2 and full2.shape[0] == 500 and full2.dtype == np.int32
         assert np.array_equal(full2[500 - full.shape[0] :], full) and np.array_equal(prompt2[-prompt.shape[0] :], prompt)
-    copy = int(long.pool[-1][0].split("#")[1])
-    alphabet = {int(t) for r in iterations[-1] for t in copy_tokens(r.full, copy)}
-    assert {int(t) for t in long.pool[-1][2]} <= alphabet
+    pid, copy = long.pool[-1][0].split("#")
+    others = {int(t) for rs in iterations for r in rs if r.pid != pid for t in copy_tokens(r.full, int(copy))}
+    filler = long.pool[-1][1][: 500 - plain.pool[-1][2].shape[0]]
+    assert filler.shape[0] > 0 and {int(t) for t in filler} <= others  # the other problems' text, in the copy's alphabet
     run = simulate(long, "batch", k=8, max_steps=20)
     assert run["steps"] > 0
     out = tmp_path / "cost.json"
