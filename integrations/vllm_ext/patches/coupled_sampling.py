@@ -35,7 +35,6 @@ then from a plain one (docs/benchmarks.md, "Evidence from code comments"); in fl
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -232,37 +231,25 @@ def install() -> None:
     replace(TARGET, keyed_sampling, PATCH.name)
 
 
-def _install_in_worker(worker: Any) -> bool:
-    from integrations.vllm_ext import patches
-
-    return PATCH.name in patches.apply(features=(PATCH.name,))
-
-
 def enable(llm: Any) -> list[bool]:
-    """Switch coupled sampling on in every worker of ``llm`` (a ``vllm.LLM``), through ``collective_rpc``.
+    """Switch coupled sampling on in every worker of ``llm`` (a ``vllm.LLM``).
+
+    Calls the worker extension's ``das_enable_coupled_sampling`` by name
+    (:mod:`integrations.vllm_ext.worker_extension`), so it reaches workers in other processes too.
+    ``DAS_VLLM_FEATURES=coupled_sampling`` in the environment instead installs it in every vLLM
+    process at its start.
 
     Returns:
         per worker, whether it is on there (False where vLLM runs as shipped: another version or
-        a CUDA build, where the keys are ignored; :func:`integrations.vllm_ext.patches.apply` logs
-        why); empty when the workers run in other processes and got the feature at their start
-        from ``DAS_VLLM_FEATURES``.
+        a CUDA build, where the keys are ignored; :func:`integrations.vllm_ext.patches.apply` logs why).
 
     Raises:
-        RuntimeError: the workers run in other processes, vLLM will not send them a function
-            (``VLLM_ALLOW_INSECURE_SERIALIZATION`` unset), and ``DAS_VLLM_FEATURES`` does not name
-            the feature: start the engine with ``DAS_VLLM_FEATURES=coupled_sampling`` instead.
+        ExtensionMissing (a RuntimeError): the engine was built without the DAS worker extension
+            (the message says what to add).
     """
-    try:
-        return list(llm.collective_rpc(_install_in_worker))
-    except TypeError as exc:  # vLLM's message encoder refuses a function for a worker in another process
-        if "serializ" not in str(exc):
-            raise
-        from integrations.vllm_ext.patches import FEATURES_ENV
+    from integrations.vllm_ext.worker_extension import call
 
-        if PATCH.name in os.environ.get(FEATURES_ENV, "").replace(" ", "").split(","):
-            return []
-        raise RuntimeError(f"coupled sampling: this engine's workers run in other processes and vLLM will not send them "
-                           f"a function; start the engine with {FEATURES_ENV}={PATCH.name} in the environment") from exc
+    return [bool(on) for on in call(llm, "das_enable_coupled_sampling")]
 
 
 PATCH = Patch(
