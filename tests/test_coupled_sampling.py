@@ -230,13 +230,26 @@ def test_the_hook_keys_only_the_step_it_wraps():
     assert not cs.active()  # forgotten after the step
 
 
-def test_enable_says_what_to_do_when_vllm_will_not_send_workers_a_function(monkeypatch):
-    class MultiprocessLLM:
-        def collective_rpc(self, fn):
-            raise TypeError("Object of type <class 'function'> is not serializable")
+def test_enable_calls_the_worker_method_by_name_and_says_what_to_add_without_the_extension():
+    from integrations.vllm_ext.worker_extension import ExtensionMissing
 
-    monkeypatch.delenv("DAS_VLLM_FEATURES", raising=False)
-    with pytest.raises(RuntimeError, match="DAS_VLLM_FEATURES=coupled_sampling"):
-        cs.enable(MultiprocessLLM())
-    monkeypatch.setenv("DAS_VLLM_FEATURES", "coupled_sampling")  # the workers got it at their start
-    assert cs.enable(MultiprocessLLM()) == []
+    class MultiprocessLLM:  # a worker in another process: a name and plain arguments only
+        def __init__(self, workers):
+            self.workers, self.sent = workers, []
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            self.sent.append(method)
+            if not isinstance(method, str):
+                raise TypeError("Object of type <class 'function'> is not serializable")
+            if not all(hasattr(w, method) for w in self.workers):
+                raise Exception(f"Call to collective_rpc method failed: Method {method!r} is not implemented.")
+            return [getattr(w, method)() for w in self.workers]
+
+    class Worker:
+        def das_enable_coupled_sampling(self):
+            return {"ok": True}
+
+    llm = MultiprocessLLM([Worker(), Worker()])
+    assert cs.enable(llm) == [True, True] and llm.sent == ["das_enable_coupled_sampling"]
+    with pytest.raises(ExtensionMissing, match="worker_extension_cls"):
+        cs.enable(MultiprocessLLM([object()]))

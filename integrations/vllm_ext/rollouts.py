@@ -31,8 +31,8 @@ import numpy as np
 
 # The DAS proposer's cumulative counters (``integrations.vllm_ext.proposer.ProposerStats``): a
 # batch reports how much each grew during it; every other snapshot entry is reported as it stands.
-PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "recut_steps", "rows", "drafts", "draft_tokens", "failures",
-                     "bad_requests", "propose_s")
+PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "recut_steps", "rows", "drafts", "draft_tokens", "unscheduled_tokens",
+                     "failures", "bad_requests", "propose_s")
 
 _ids = itertools.count()  # request ids on vLLM versions without ``LLM.enqueue``
 
