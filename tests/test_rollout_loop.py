@@ -103,8 +103,10 @@ class FakeLLM:
             self._next_id += 1
         return ids
 
-    def collective_rpc(self, fn, args=()):
-        return [fn(SimpleNamespace(model_runner=SimpleNamespace(drafter=self.drafter)), *args)]
+    def collective_rpc(self, method, timeout=None, args=(), kwargs=None):  # by name, as vLLM runs a worker extension's method
+        from integrations.vllm_ext.worker_extension import DASWorkerExtension
+
+        return [getattr(DASWorkerExtension, method)(SimpleNamespace(model_runner=SimpleNamespace(drafter=self.drafter)), *args)]
 
 
 @pytest.fixture

@@ -128,11 +128,7 @@ class RolloutWorker:
 
         self.method = method
         self.history = None
-        kwargs = dict(engine_kwargs)
-        if history is not None and method == "das":
-            from integrations.vllm_ext.history_ext import EXTENSION
-
-            kwargs.setdefault("worker_extension_cls", EXTENSION)
+        kwargs = dict(engine_kwargs)  # make_llm sets das's worker extension, which holds the history verbs
         self.llm = make_llm(model, method, **kwargs)
         if history is not None and method == "das":
             self.history = self._client(history, kwargs.get("das_config") or {}, evict_after)

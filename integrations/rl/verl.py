@@ -345,12 +345,17 @@ def _extension_class() -> type:
     install()
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-    class CPUWorkerExtension(vLLMColocateWorkerExtension):
-        """verl's vLLM worker extension whose weight sync runs inside vLLM's in-place reload (CPU builds).
+    from integrations.vllm_ext.worker_extension import DASWorkerExtension
+
+    class CPUWorkerExtension(vLLMColocateWorkerExtension, DASWorkerExtension):
+        """verl's vLLM worker extension whose weight sync runs inside vLLM's in-place reload (CPU builds),
+        with das's control verbs (:class:`~integrations.vllm_ext.worker_extension.DASWorkerExtension`:
+        ``collective_rpc("das_snapshot", args=(path,))`` writes the proposer's counters to ``path`` as JSON,
+        for verl's ``vLLMHttpServer.collective_rpc``, which returns no values).
 
         Named by ``engine_kwargs.vllm.worker_extension_cls`` (:func:`cpu_overrides`); verl's
         ``launch_server`` merges ``engine_kwargs`` over its own default extension. On a build with
-        CUDA, or a vLLM version not in :data:`TESTED_VLLM_VERSIONS`, it is verl's class unchanged.
+        CUDA, or a vLLM version not in :data:`TESTED_VLLM_VERSIONS`, its weight sync is verl's unchanged.
         """
 
         def update_weights_from_ipc(self, *args: Any, **kwargs: Any):
@@ -366,18 +371,6 @@ def _extension_class() -> type:
                 # layer can span two buckets of verl's reused transfer buffer: copy them out of it.
                 weights = [(name, tensor.clone()) for name, tensor in weights]
             return super()._update_weights(weights, peft_config, base_sync_done)
-
-        def das_snapshot(self, path: str) -> None:
-            """Write this worker's DAS proposer counters (``snapshot()``) to ``path`` as JSON.
-
-            For ``vLLMHttpServer.collective_rpc("das_snapshot", args=(path,))``, which returns no values.
-            """
-            import json
-
-            drafter = getattr(self.model_runner, "drafter", None)
-            if drafter is None or not hasattr(drafter, "snapshot"):
-                raise RuntimeError("this engine does not run the DAS proposer")
-            Path(path).write_text(json.dumps(drafter.snapshot(), default=float))
 
     CPUWorkerExtension.__module__ = __name__
     _EXTENSION = CPUWorkerExtension

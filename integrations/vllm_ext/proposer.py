@@ -102,8 +102,59 @@ def _find_model_runner() -> Any | None:
     return None
 
 
+def drafting_rank(vllm_config: Any) -> bool:
+    """Whether this worker's drafts reach vLLM's scheduler, so that it must build trees and draft.
+
+    vLLM takes the drafts (``take_draft_token_ids``) and the sampled tokens of one worker only: the
+    first tensor-parallel (and prefill-context-parallel) rank of the last pipeline stage
+    (``MultiprocExecutor._get_output_rank``, ``RayDistributedExecutor``'s output rank); the others
+    verify the drafts the scheduler sends every rank. With the ``external_launcher`` backend (one
+    engine per rank, each with its own scheduler) every rank drafts. True outside a vLLM engine
+    (stand-in runners), and whenever vLLM's parallel groups cannot be read.
+    """
+    parallel = getattr(vllm_config, "parallel_config", None)
+    if parallel is None or getattr(parallel, "distributed_executor_backend", None) == "external_launcher":
+        return True
+    try:
+        from vllm.distributed import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            return True
+        if ps.get_tp_group().rank_in_group != 0 or not ps.get_pp_group().is_last_rank:
+            return False
+        pcp = getattr(ps, "get_pcp_group", None)
+        return pcp is None or getattr(ps, "_PCP", None) is None or pcp().rank_in_group == 0
+    except Exception:  # noqa: BLE001 - another vLLM's parallel state: draft, as a single rank would
+        return True
+
+
+class IdleProposer:
+    """The proposer of a worker whose drafts vLLM does not use (:func:`drafting_rank`): empty drafts,
+    no drafter, no threads, no memory; the control verbs do nothing and ``drafting`` is False."""
+
+    drafting = False
+
+    def __init__(self, vllm_config: Any = None, runner: Any | None = None):
+        self.k = int(vllm_config.speculative_config.num_speculative_tokens) if vllm_config is not None else 0
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def propose(self, sampled_token_ids: list[list[int]], *args: Any, **kwargs: Any) -> list[list[int]]:
+        return [[] for _ in sampled_token_ids]
+
+    def begin_iteration(self, policy_version: int) -> None:
+        pass
+
+    def snapshot(self) -> dict[str, Any]:
+        return {}
+
+
 class DASProposer:
     """vLLM ``custom_class`` proposer backed by a :class:`das.drafter.DASDrafter`.
+
+    On a tensor-parallel rank whose drafts vLLM does not use, constructing it gives an
+    :class:`IdleProposer` instead (:func:`drafting_rank`).
 
     Args:
         vllm_config: vLLM's ``VllmConfig``; reads ``speculative_config.num_speculative_tokens``
@@ -114,6 +165,13 @@ class DASProposer:
         ValueError: bad ``additional_config['das']`` (at engine start, never during a step).
         RuntimeError: not built by a vLLM model runner (then rows cannot be mapped to requests).
     """
+
+    drafting = True
+
+    def __new__(cls, vllm_config: Any = None, *args: Any, **kwargs: Any):
+        if vllm_config is not None and not drafting_rank(vllm_config):
+            return IdleProposer(vllm_config)
+        return super().__new__(cls)
 
     def __init__(self, vllm_config: Any, runner: Any | None = None):
         self.k = int(vllm_config.speculative_config.num_speculative_tokens)
@@ -198,6 +256,10 @@ class DASProposer:
         for row in np.flatnonzero(slots < 0).tolist():
             slots[row] = self._start(req_ids[row], row, requests, token_ids_cpu)
             clean = False
+        cut = st.scheduled(slots, self._scheduled_draft_lengths(rows), self.planner.acceptance)
+        if cut:  # only the scheduled draft tokens were verified: outcomes, calibration and step sizes count those
+            self._last_drafted -= cut
+            self.stats.unscheduled_tokens += cut
         tracked = st.tracked[slots]  # False: bad options, never drafts, leaves nothing in the drafter
         st.seen[slots[~tracked]] = counts[~tracked]
         seen = st.seen[slots]
@@ -246,6 +308,15 @@ class DASProposer:
         if len(self._slot_of) > len(requests):
             self._release_finished(requests)
         return out
+
+    def _scheduled_draft_lengths(self, rows: int) -> np.ndarray | None:
+        """Per row, the draft tokens vLLM's scheduler scheduled in the step that just ran (the model
+        runner's ``input_batch.spec_token_ids``, set from ``scheduler_output.scheduled_spec_decode_tokens``);
+        None when the runner does not say (then every offered token counts as scheduled)."""
+        spec = getattr(self.runner.input_batch, "spec_token_ids", None)
+        if spec is None or len(spec) < rows:
+            return None
+        return np.fromiter(map(len, spec[:rows]), np.int64, rows)
 
     def _facts(self, s: np.ndarray, live: np.ndarray, req_ids: list) -> RowFacts:
         """The length facts of the live rows (slots ``s``), for the length-aware budgets."""

@@ -70,6 +70,28 @@ class RequestState:
         self.problem_id[i] = problem_id
         return i
 
+    def scheduled(self, slots: np.ndarray, counts: np.ndarray | None, calibrate: Any) -> int:
+        """The scheduler verified only the first ``counts[r]`` (int64 ``[rows]``) of the last draft
+        tokens offered by the request at ``slots[r]`` (it cuts drafts to its token budget and to
+        ``max_model_len``): the cut tokens are taken back, as never offered, from ``last_len``,
+        ``drafted`` and ``last_psum`` (recomputed from ``last_probs`` with ``calibrate``, as
+        :meth:`offered` does), so that acceptance and calibration learn from the verified tokens
+        only. ``counts`` None: nothing was cut. Returns the draft tokens taken back."""
+        if counts is None:
+            return 0
+        offered = self.last_len[slots]
+        cut = np.flatnonzero(counts < offered)
+        if not cut.shape[0]:
+            return 0
+        cs, keep = slots[cut], np.maximum(counts[cut], 0)
+        removed = offered[cut] - keep
+        self.drafted[cs] -= removed
+        self.last_len[cs] = keep
+        shown = self.last_probs[cs][np.arange(self.last_probs.shape[1]) < keep[:, None]]  # row by row
+        rows = np.repeat(np.arange(cs.shape[0]), keep)
+        self.last_psum[cs] = np.bincount(rows, weights=np.asarray(calibrate(shown), np.float64), minlength=cs.shape[0]) if shown.size else 0.0
+        return int(removed.sum())
+
     def verified(self, slots: np.ndarray, accepted: np.ndarray) -> np.ndarray:
         """Requests at ``slots`` had ``accepted`` (int64) of their last drafts accepted: add them to
         their evidence; returns what their drafts' calibrated probabilities predicted (float64)."""

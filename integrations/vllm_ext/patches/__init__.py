@@ -35,7 +35,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterable
-from typing import Any
 
 from integrations.vllm_ext.patches import (
     coupled_sampling,
@@ -48,7 +47,7 @@ from integrations.vllm_ext.patches import (
 )
 from integrations.vllm_ext.patches.patch import Patch, mismatches, vllm_version
 
-__all__ = ["PATCHES", "FEATURES", "FEATURES_ENV", "Patch", "apply", "enable_coupled_sampling", "installed", "vllm_version"]
+__all__ = ["PATCHES", "FEATURES", "FEATURES_ENV", "Patch", "apply", "installed", "vllm_version"]
 
 logger = logging.getLogger(__name__)
 
@@ -150,32 +149,3 @@ def apply(features: Iterable[str] | None = None) -> tuple[str, ...]:
                        "(on a CPU build check vLLM issue #55005: lossy sampling at temperature > 0)",
                        version, ", ".join(sorted({v for p in PATCHES for v in p.versions})), ", ".join(untested))
     return installed()
-
-
-def _install_coupled_sampling(worker: Any) -> bool:
-    return coupled_sampling.PATCH.name in apply(features=(coupled_sampling.PATCH.name,))
-
-
-def enable_coupled_sampling(llm: Any) -> list[bool]:
-    """Switch coupled sampling on in every worker of ``llm`` (a ``vllm.LLM``), through ``collective_rpc``.
-
-    Returns:
-        per worker, whether it is on there (False where vLLM runs as shipped: another version or
-        a CUDA build, where the keys are ignored; :func:`integrations.vllm_ext.patches.apply` logs
-        why); empty when the workers run in other processes and got the feature at their start
-        from ``DAS_VLLM_FEATURES``.
-
-    Raises:
-        RuntimeError: the workers run in other processes, vLLM will not send them a function
-            (``VLLM_ALLOW_INSECURE_SERIALIZATION`` unset), and ``DAS_VLLM_FEATURES`` does not name
-            the feature: start the engine with ``DAS_VLLM_FEATURES=coupled_sampling`` instead.
-    """
-    try:
-        return list(llm.collective_rpc(_install_coupled_sampling))
-    except TypeError as exc:  # vLLM's message encoder refuses a function for a worker in another process
-        if "serializ" not in str(exc):
-            raise
-        if coupled_sampling.PATCH.name in os.environ.get(FEATURES_ENV, "").replace(" ", "").split(","):
-            return []
-        raise RuntimeError(f"coupled sampling: this engine's workers run in other processes and vLLM will not send them "
-                           f"a function; start the engine with {FEATURES_ENV}={coupled_sampling.PATCH.name} in the environment") from exc
