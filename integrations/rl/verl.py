@@ -345,8 +345,13 @@ def _extension_class() -> type:
     install()
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
 
-    class CPUWorkerExtension(vLLMColocateWorkerExtension):
-        """verl's vLLM worker extension whose weight sync runs inside vLLM's in-place reload (CPU builds).
+    from integrations.vllm_ext.history_ext import HistoryExtension
+
+    class CPUWorkerExtension(HistoryExtension, vLLMColocateWorkerExtension):
+        """verl's vLLM worker extension whose weight sync runs inside vLLM's in-place reload (CPU builds),
+        plus the shared-history verbs of :class:`~integrations.vllm_ext.history_ext.HistoryExtension`
+        (``das_add_history``, ``das_evict_problems``, ...), which :class:`integrations.rl.verl_router.DASRouter`
+        calls by name through ``vLLMHttpServer.collective_rpc``.
 
         Named by ``engine_kwargs.vllm.worker_extension_cls`` (:func:`cpu_overrides`); verl's
         ``launch_server`` merges ``engine_kwargs`` over its own default extension. On a build with
