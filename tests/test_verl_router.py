@@ -62,6 +62,7 @@ def test_a_groups_requests_go_to_one_server_and_groups_spread():
     got = {pid: {acquire(router, pid)[1] for _ in range(8)} for pid in ("a", "b")}
     assert all(len(s) == 1 for s in got.values())  # siblings together
     assert got["a"] != got["b"]  # the second group goes to the server with less predicted work
+    assert router.das_stats()["routed"] == [{"a": {got["a"].pop(): 8}, "b": {got["b"].pop(): 8}}]
     assert router.get_total_inflight() == 16
 
 

@@ -120,6 +120,7 @@ class DASRouter:
         self.iteration = 0
         self.version = 0
         self.placements: list[dict[Hashable, str]] = [{}]  # per iteration: problem -> server
+        self.routed: list[dict[Hashable, dict[str, int]]] = [{}]  # per iteration: problem -> {server: requests}
         self.counters = {"requests": 0, "placed": 0, "ingest_errors": 0, "predict_errors": 0, "published": 0}
         self.add_servers(servers)
 
@@ -162,6 +163,8 @@ class DASRouter:
         self._inflight[sid] += 1
         self._work[sid] += length
         self.counters["requests"] += 1
+        routed = self.routed[-1].setdefault(pid, {})
+        routed[sid] = routed.get(sid, 0) + 1
         return sid, self._servers[sid]
 
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
@@ -222,10 +225,12 @@ class DASRouter:
         return True
 
     def das_stats(self) -> dict:
-        """``iteration``, ``version``, ``counters``, ``placements`` (per iteration: problem -> server) and
-        ``history`` (per server: its :class:`HistoryClient` counters)."""
+        """``iteration``, ``version``, ``counters``, ``placements`` (per iteration: problem -> server),
+        ``routed`` (per iteration: problem -> {server: requests}) and ``history`` (per server: its
+        :class:`HistoryClient` counters)."""
         return {"iteration": self.iteration, "version": self.version, "counters": dict(self.counters),
-                "placements": [dict(p) for p in self.placements], "history": {sid: dict(c.counters) for sid, c in self._clients.items()}}
+                "placements": [dict(p) for p in self.placements], "routed": [{p: dict(c) for p, c in r.items()} for r in self.routed],
+                "history": {sid: dict(c.counters) for sid, c in self._clients.items()}}
 
     # -- internals
     def _place(self, pid: Hashable) -> str:
@@ -272,6 +277,7 @@ class DASRouter:
         self._synced.clear()
         self.iteration += 1
         self.placements.append({})
+        self.routed.append({})
 
     def _advance(self, version: int) -> None:
         self.version = version

@@ -335,8 +335,8 @@ def replicas(model: str, n: int = 4, response_length: int = 64) -> dict:
             for a, srv in servers.items():
                 after = _metrics(a)
                 per_server[a] = {**{m: after[m] - before[a][m] for m in after}, "proposer": snapshot(srv), "history": stats["history"][a]}
-            report["iterations"].append({"samples": samples, "rows": len(out), "seconds": round(time.time() - t, 1),
-                                         "placement": stats["placements"][k], "counters": stats["counters"], "servers": per_server})
+            report["iterations"].append({"samples": samples, "rows": len(out), "seconds": round(time.time() - t, 1), "placement": stats["placements"][k],
+                                         "routed": stats["routed"][k], "counters": stats["counters"], "servers": per_server})
     finally:
         ray.shutdown()
     return report
