@@ -201,3 +201,15 @@ def test_agent_loop_publishes_through_a_das_router_only(monkeypatch):
     plain = das_agent_loop(server_manager=types.SimpleNamespace(_load_balancer=object()))  # verl's own balancer
     asyncio.run(plain.run({}, raw_prompt=[], index=3, data_source="src"))
     assert len(published) == 1
+
+
+def test_the_shipped_router_yaml_builds_the_router_as_verls_plugin_does():
+    """verl's plug-in builds ``router_class(servers, <the whole YAML>)``."""
+    from integrations.rl.recipes import RECIPES_DIR, load_yaml
+    from integrations.rl.verl_router import ROUTER_CONFIG
+
+    cfg = load_yaml(RECIPES_DIR.parent / ROUTER_CONFIG)
+    module, _, name = cfg["router_class"].rpartition(".")
+    cls = getattr(__import__(module, fromlist=[name]), name)
+    router = cls({"s0": StandInServer()}, cfg, store=HistoryStore())
+    assert isinstance(router, DASRouter) and router.config["window"] == 16
