@@ -46,8 +46,12 @@ _ids = itertools.count()
 
 def acquire(router, pid, prompt=(1, 2, 3)):
     rid = f"r{next(_ids)}"
-    sid, _ = router.acquire_server(request_id=rid, prompt_ids=list(prompt), sampling_params=sp(pid))
+    sid, _ = asyncio.run(router.acquire_server(request_id=rid, prompt_ids=list(prompt), sampling_params=sp(pid)))
     return rid, sid
+
+
+def publish(router, *args):
+    return asyncio.run(router.das_publish(*args))
 
 
 def test_router_declares_the_fields_it_routes_on():
@@ -88,7 +92,7 @@ def test_a_moved_problem_pulls_its_rollouts_on_the_new_server_once():
     router, servers = make()
     _, first = acquire(router, "p", prompt=(7, 8))
     for k in range(3):
-        assert router.das_publish("p", [7, 8], [100 + k, 5, 6], 0)
+        assert publish(router, "p", [7, 8], [100 + k, 5, 6], 0)
     assert servers[first].rollouts == []  # its own rollouts are already in its drafter
     router.clear_sticky_cache()
     router._place = lambda pid: next(s for s in router.get_all_servers() if s != first)  # force the move
@@ -101,14 +105,49 @@ def test_a_moved_problem_pulls_its_rollouts_on_the_new_server_once():
     assert router.das_stats()["placements"] == [{"p": first}, {"p": second}]
 
 
+def test_concurrent_requests_of_a_moved_problem_wait_for_one_batched_pull():
+    """Requests arriving together: each returns only after its server holds its problem's history;
+    the problems new to a server while one pull runs are pulled together in the next."""
+    router, servers = make()
+    for pid in ("p", "q", "r"):
+        acquire(router, pid)
+        publish(router, pid, [1], [ord(pid)], 0)
+    before = {pid: sid for pid, sid in router.das_stats()["placements"][0].items()}
+    router.clear_sticky_cache()
+    router._place = lambda pid: next(s for s in router.get_all_servers() if s != before[pid])
+    pulls = []
+    for server in servers.values():
+        rpc = server.collective_rpc
+
+        def recording(method, *a, _rpc=rpc, _server=server, **kw):
+            pulls.append((_server, len(kw["args"][0])))
+            return _rpc(method, *a, **kw)
+
+        server.collective_rpc = recording
+
+    async def many():
+        reqs = [router.acquire_server(request_id=f"c{i}", prompt_ids=[1], sampling_params=sp(pid)) for i, pid in enumerate("pqr" * 4)]
+        out = []
+        for coro in asyncio.as_completed(reqs):
+            sid, handle = await coro
+            out.append((sid, sorted({r[0] for r in handle.rollouts})))
+        return out
+
+    got = asyncio.run(many())
+    for sid, held in got:  # no request returned before its server held its problem's history
+        assert held == sorted(p for p, s in before.items() if s != sid)
+    assert sum(n for _, n in pulls) == 3 and len(pulls) <= 3  # each moved rollout pulled once
+    assert router.das_stats()["counters"]["requests"] == 3 + 12
+
+
 def test_published_rollouts_go_to_the_generating_servers_log_and_a_new_version_evicts():
     router, servers = make(evict_after=1)
     _, sid = acquire(router, "p")
-    router.das_publish("p", [1, 2, 3], [4, 5], 0)
+    publish(router, "p", [1, 2, 3], [4, 5], 0)
     assert router.das_stats()["history"][sid]["published"] == 1
-    router.das_publish("q", [1], [2], 0)  # never routed: nowhere to attribute it
+    publish(router, "q", [1], [2], 0)  # never routed: nowhere to attribute it
     assert router.das_stats()["counters"]["published"] == 1
-    router.das_publish("p", [1, 2, 3], [6], 1)  # newer weights: a new iteration; "p" served at version 0 is evicted
+    publish(router, "p", [1, 2, 3], [6], 1)  # newer weights: a new iteration; "p" served at version 0 is evicted
     assert router.version == 1 and router.iteration == 1
     assert servers[sid].evicted == ["p"]
 
@@ -131,7 +170,7 @@ def test_history_failures_do_not_stop_routing():
 def test_removed_server_problems_are_placed_again_with_their_history():
     router, servers = make()
     _, first = acquire(router, "p")
-    router.das_publish("p", [1, 2, 3], [9, 9], 0)
+    publish(router, "p", [1, 2, 3], [9, 9], 0)
     router.remove_servers([first])
     _, second = acquire(router, "p")
     assert second != first and [r[2] for r in servers[second].rollouts] == [[9, 9]]
@@ -143,7 +182,7 @@ def test_bad_config_and_requests_are_named():
     with pytest.raises(ValueError, match="window"):
         make(window=0)
     with pytest.raises(RuntimeError, match="no rollout servers"):
-        DASRouter({}, store=HistoryStore()).acquire_server("r", prompt_ids=[1], sampling_params=sp("a"))
+        asyncio.run(DASRouter({}, store=HistoryStore()).acquire_server("r", prompt_ids=[1], sampling_params=sp("a")))
     with pytest.raises(ValueError, match="das_problem_id or prompt_ids"):
         request_problem({}, None)
     assert request_problem({}, [1, 2]) == request_problem(None, [1, 2])

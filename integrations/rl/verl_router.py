@@ -34,6 +34,7 @@ request. Failures of the history (store or server RPC) are logged and counted; r
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -114,7 +115,10 @@ class DASRouter:
         self._clients: dict[str, HistoryClient] = {}
         self._requests: dict[str, tuple[str, Hashable, float]] = {}  # request id -> (server, problem, predicted length)
         self._assigned: dict[Hashable, str] = {}  # problem -> server, this iteration
-        self._synced: set[tuple[str, Hashable]] = set()  # (server, problem) pulled this iteration
+        self._synced: dict[tuple[str, Hashable], asyncio.Future] = {}  # (server, problem) -> done when pulled, this iteration
+        self._queue: dict[str, list] = {}  # server -> [(problem, prompt ids, future)] waiting for its next pull
+        self._draining: set[str] = set()
+        self._locks: dict[str, asyncio.Lock] = {}
         self._generated_on: dict[Hashable, str] = {}  # problem -> the server that last generated it
         self._predicted: dict[Hashable, float] = {}
         self.iteration = 0
@@ -132,12 +136,14 @@ class DASRouter:
     def require_release_fields(self) -> list[str]:
         return ["request_id"]
 
-    def acquire_server(self, request_id: str, prompt_ids: Sequence[int] | None = None, sampling_params: Mapping[str, Any] | None = None,
-                       **extra: Any) -> tuple[str, Any]:
+    async def acquire_server(self, request_id: str, prompt_ids: Sequence[int] | None = None, sampling_params: Mapping[str, Any] | None = None,
+                             **extra: Any) -> tuple[str, Any]:
         """The server for this request: its problem's server this iteration, else placed by predicted work.
 
-        Before the problem's first request reaches a server in an iteration, the server's drafter
-        gets the problem's history. Returns ``(server address, actor handle)``.
+        The problem's first request on a server in an iteration waits until the server's drafter holds
+        the problem's history; the problems arriving for a server while one pull runs are pulled
+        together in the next (one store read and one engine RPC per batch). Other requests do not wait.
+        Returns ``(server address, actor handle)``.
 
         Raises:
             RuntimeError: no servers.
@@ -145,26 +151,20 @@ class DASRouter:
         if not self._servers:
             raise RuntimeError("DASRouter: no rollout servers registered")
         pid = request_problem(sampling_params, prompt_ids)
-        sid = self._assigned.get(pid)
-        if sid not in self._servers:
+        length = await self._predict(pid)
+        if self._assigned.get(pid) not in self._servers:  # new this iteration (or its server was removed)
             sid = self._place(pid)
             self._assigned[pid] = sid
             self.placements[-1][pid] = sid
             self.counters["placed"] += 1
-        if (sid, pid) not in self._synced:
-            self._synced.add((sid, pid))
-            try:
-                self._clients[sid].before_generate([(pid, list(prompt_ids or ()))])
-            except Exception as exc:  # noqa: BLE001 - the server drafts from what it holds
-                self.counters["ingest_errors"] += 1
-                logger.warning("DASRouter: history for %r on %s failed (%s: %s)", pid, sid, type(exc).__name__, exc)
-        length = self._predict(pid)
+        sid = self._assigned[pid]
         self._requests[request_id] = (sid, pid, length)
         self._inflight[sid] += 1
         self._work[sid] += length
         self.counters["requests"] += 1
         routed = self.routed[-1].setdefault(pid, {})
         routed[sid] = routed.get(sid, 0) + 1
+        await self._synced_on(sid, pid, prompt_ids)
         return sid, self._servers[sid]
 
     def release_server(self, server_id: str, request_id: str | None = None) -> None:
@@ -188,7 +188,7 @@ class DASRouter:
         for sid in server_ids:
             for d in (self._servers, self._inflight, self._work, self._clients):
                 d.pop(sid, None)
-        self._synced = {(s, p) for s, p in self._synced if s in self._servers}
+        self._synced = {k: f for k, f in self._synced.items() if k[0] in self._servers}
 
     def get_all_servers(self) -> list[str]:
         return list(self._servers)
@@ -207,7 +207,7 @@ class DASRouter:
                 "registered_handles": list(self._servers), "predicted_work": dict(self._work), **self.das_stats()}
 
     # -- das
-    def das_publish(self, problem_id: Hashable, prompt_ids: Sequence[int], output_ids: Sequence[int], policy_version: int | None = None) -> bool:
+    async def das_publish(self, problem_id: Hashable, prompt_ids: Sequence[int], output_ids: Sequence[int], policy_version: int | None = None) -> bool:
         """Publish one finished rollout as the rollout of the server that generated its problem.
 
         ``policy_version`` is verl's ``global_steps`` of the weights that generated it (None: 0); a
@@ -215,11 +215,12 @@ class DASRouter:
         """
         version = int(policy_version or 0)
         if version > self.version:
-            self._advance(version)
-        sid = self._generated_on.get(problem_id) or self._assigned.get(problem_id)
+            await self._advance(version)
+        sid = self._assigned.get(problem_id) or self._generated_on.get(problem_id)
         if sid not in self._clients:
             return False
-        self._clients[sid].after_generate([(problem_id, list(prompt_ids), list(output_ids), version)])
+        async with self._lock(sid):
+            await asyncio.to_thread(self._clients[sid].after_generate, [(problem_id, list(prompt_ids), list(output_ids), version)])
         self._predicted.pop(problem_id, None)  # its next prediction reads the new lengths
         self.counters["published"] += 1
         return True
@@ -238,12 +239,12 @@ class DASRouter:
         order = {sid: i for i, sid in enumerate(self._servers)}
         return min(self._servers, key=lambda s: (self._work[s], self._inflight[s], order[s]))
 
-    def _predict(self, pid: Hashable) -> float:
+    async def _predict(self, pid: Hashable) -> float:
         if pid in self._predicted:
             return self._predicted[pid]
         rows = []
         try:
-            rows = _call(self._store, "lengths", [pid], timeout=self.timeout_s).get(pid, [])
+            rows = (await asyncio.to_thread(_call, self._store, "lengths", [pid], timeout=self.timeout_s)).get(pid, [])
         except Exception as exc:  # noqa: BLE001
             self.counters["predict_errors"] += 1
             logger.warning("DASRouter: lengths of %r unavailable (%s: %s)", pid, type(exc).__name__, exc)
@@ -255,8 +256,41 @@ class DASRouter:
             value = sum(self._predicted.values()) / len(self._predicted)
         else:
             value = float(self.config["default_length"])
-        self._predicted[pid] = float(value)
-        return float(value)
+        return self._predicted.setdefault(pid, float(value))
+
+    async def _synced_on(self, sid: str, pid: Hashable, prompt_ids: Sequence[int] | None) -> None:
+        """Wait until ``sid``'s drafter holds ``pid``'s history (pulled once per server and iteration)."""
+        key = (sid, pid)
+        done = self._synced.get(key)
+        if done is None:
+            done = self._synced[key] = asyncio.get_running_loop().create_future()
+            self._queue.setdefault(sid, []).append((pid, list(prompt_ids or ()), done))
+            if sid not in self._draining:
+                self._draining.add(sid)
+                asyncio.get_running_loop().create_task(self._drain(sid))
+        await asyncio.shield(done)
+
+    async def _drain(self, sid: str) -> None:
+        try:
+            while self._queue.get(sid):
+                batch, self._queue[sid] = self._queue[sid], []
+                client = self._clients.get(sid)
+                try:
+                    if client is not None:
+                        async with self._lock(sid):
+                            await asyncio.to_thread(client.before_generate, [(pid, prompt) for pid, prompt, _ in batch])
+                except Exception as exc:  # noqa: BLE001 - the server drafts from what it holds
+                    self.counters["ingest_errors"] += 1
+                    logger.warning("DASRouter: history for %d problems on %s failed (%s: %s)", len(batch), sid, type(exc).__name__, exc)
+                for _, _, done in batch:
+                    if not done.done():
+                        done.set_result(None)
+        finally:
+            self._draining.discard(sid)
+
+    def _lock(self, sid: str) -> asyncio.Lock:
+        """One client call at a time per server (a :class:`HistoryClient` is not thread-safe); servers in parallel."""
+        return self._locks.setdefault(sid, asyncio.Lock())
 
     def _ingester(self, sid: str):
         def ingest(rollouts: list) -> None:
@@ -279,23 +313,25 @@ class DASRouter:
         self.placements.append({})
         self.routed.append({})
 
-    def _advance(self, version: int) -> None:
+    async def _advance(self, version: int) -> None:
         self.version = version
+        busy = {pid for _, pid, _ in self._requests.values()}
+        keep = {pid: sid for pid, sid in self._assigned.items() if pid in busy}
+        kept = {(sid, pid): self._synced[(sid, pid)] for pid, sid in keep.items() if (sid, pid) in self._synced}
+        self._new_iteration()
+        self._assigned.update(keep)
+        self._synced.update(kept)
+        self.placements[-1].update(keep)
         try:
-            _call(self._store, "begin_iteration", version, timeout=self.timeout_s)
+            await asyncio.to_thread(_call, self._store, "begin_iteration", version, timeout=self.timeout_s)
         except Exception as exc:  # noqa: BLE001
             logger.warning("DASRouter: history begin_iteration failed (%s: %s)", type(exc).__name__, exc)
         for sid, client in list(self._clients.items()):
             try:
-                client.begin_iteration(version)
+                async with self._lock(sid):
+                    await asyncio.to_thread(client.begin_iteration, version)
             except Exception as exc:  # noqa: BLE001
                 logger.warning("DASRouter: eviction on %s failed (%s: %s)", sid, type(exc).__name__, exc)
-        busy = {pid for _, pid, _ in self._requests.values()}
-        keep = {pid: sid for pid, sid in self._assigned.items() if pid in busy}
-        self._new_iteration()
-        self._assigned.update(keep)
-        self._synced.update((sid, pid) for pid, sid in keep.items())
-        self.placements[-1].update(keep)
 
 
 # ----------------------------------------------------------------------------------------------
