@@ -22,7 +22,9 @@ router plug-in: ``rollout.router_config_path`` naming ``recipes/verl/das_router.
   rollouts the server's drafter does not hold from the shared history
   (:class:`integrations.rl.history.HistoryClient`, one per server) and adds them to the drafter
   through the worker extension's ``das_add_history`` (:class:`integrations.vllm_ext.history_ext.HistoryExtension`,
-  mixed into :class:`integrations.rl.verl.CPUWorkerExtension`), by name over ``vLLMHttpServer.collective_rpc``;
+  mixed into :class:`integrations.rl.verl.CPUWorkerExtension`), by name over ``vLLMHttpServer.collective_rpc``.
+  The router is an async actor: only the requests of a problem being pulled wait, and the problems new
+  to a server while its pull runs are pulled together in the next one (one store read, one engine RPC);
 - takes the finished rollouts from das's agent loop (:func:`das_agent_loop`, ``das_publish``) and
   publishes them to the shared history as the rollouts of the server that generated them.
 
@@ -120,7 +122,8 @@ class DASRouter:
         self._draining: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self._generated_on: dict[Hashable, str] = {}  # problem -> the server that last generated it
-        self._predicted: dict[Hashable, float] = {}
+        self._predicted: dict[Hashable, float] = {}  # problem -> predicted output length (tokens)
+        self._pred_sum = 0.0
         self.iteration = 0
         self.version = 0
         self.placements: list[dict[Hashable, str]] = [{}]  # per iteration: problem -> server
@@ -180,6 +183,8 @@ class DASRouter:
             self._servers[sid] = handle
             self._inflight.setdefault(sid, 0)
             self._work.setdefault(sid, 0.0)
+            if sid in self._clients:
+                continue  # a server added again keeps its view of the history
             self._clients[sid] = HistoryClient(self._store, ingest=self._ingester(sid), evict=self._evicter(sid), window=self.config["window"],
                                                evict_after=self.config["evict_after"], timeout_s=self.timeout_s)
             self._clients[sid].version = self.version
@@ -221,7 +226,8 @@ class DASRouter:
             return False
         async with self._lock(sid):
             await asyncio.to_thread(self._clients[sid].after_generate, [(problem_id, list(prompt_ids), list(output_ids), version)])
-        self._predicted.pop(problem_id, None)  # its next prediction reads the new lengths
+        if problem_id in self._predicted:  # its next prediction reads the new lengths
+            self._pred_sum -= self._predicted.pop(problem_id)
         self.counters["published"] += 1
         return True
 
@@ -253,10 +259,13 @@ class DASRouter:
             recent = [n for v, n in rows if v == last]
             value = sum(recent) / len(recent)
         elif self._predicted:
-            value = sum(self._predicted.values()) / len(self._predicted)
+            value = self._pred_sum / len(self._predicted)
         else:
             value = float(self.config["default_length"])
-        return self._predicted.setdefault(pid, float(value))
+        if pid not in self._predicted:  # (another request of pid may have predicted it meanwhile)
+            self._predicted[pid] = float(value)
+            self._pred_sum += float(value)
+        return self._predicted[pid]
 
     async def _synced_on(self, sid: str, pid: Hashable, prompt_ids: Sequence[int] | None) -> None:
         """Wait until ``sid``'s drafter holds ``pid``'s history (pulled once per server and iteration)."""
