@@ -54,6 +54,13 @@ PROMPTS = [  # (data_source, index, question): two rows share a question, so onl
 ]
 
 
+REPLICA_PROMPTS = [  # three problems whose rollouts repeat across samples (lists), so one sample drafts well from them
+    ("das_test", 1, "List the days of the week, then list them again in reverse order."),
+    ("das_test", 2, "List the months of the year, then list them again in reverse order."),
+    ("das_test", 3, "Name the planets of the solar system in order from the sun, then in reverse order."),
+]
+
+
 def compose(model: str, overrides: list[str]):
     """verl's trainer config from ``recipes/verl/das_grpo.yaml`` (which extends verl's ``ppo_trainer``)."""
     from hydra import compose as hydra_compose
@@ -251,12 +258,12 @@ def server(model: str, n: int = 4, response_length: int = 96) -> dict:
 
 
 def _moving_router():
-    """:class:`DASRouter` with its placement forced: in iteration ``k`` problem ``i`` (of :data:`PROMPTS`) goes
+    """:class:`DASRouter` with its placement forced: in iteration ``k`` problem ``i`` (of :data:`REPLICA_PROMPTS`) goes
     to replica ``(i + k) % 2``, so every problem moves between the iterations (routing within a problem, the
     history pulls and the publishing are DASRouter's own)."""
     from integrations.rl.verl_router import DASRouter
 
-    order = [f"{s}/{i}" for s, i, _ in PROMPTS]
+    order = [f"{s}/{i}" for s, i, _ in REPLICA_PROMPTS]
 
     class MovingRouter(DASRouter):
         def _place(self, pid):
@@ -266,7 +273,7 @@ def _moving_router():
     return MovingRouter
 
 
-def replicas(model: str, n: int = 4, response_length: int = 64) -> dict:
+def replicas(model: str, n: int = 4, response_length: int = 64, temperature: float = 0.3) -> dict:
     import ray
     from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
     from verl.plugin.platform import get_platform
@@ -283,7 +290,7 @@ def replicas(model: str, n: int = 4, response_length: int = 64) -> dict:
         f"actor_rollout_ref.rollout.dtype={settings().dtype}",
         "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
         f"actor_rollout_ref.rollout.n={n}",
-        "actor_rollout_ref.rollout.temperature=0.6",
+        f"actor_rollout_ref.rollout.temperature={temperature}",
         "actor_rollout_ref.rollout.prompt_length=128",
         f"actor_rollout_ref.rollout.response_length={response_length}",
         f"actor_rollout_ref.rollout.max_model_len={128 + response_length}",
@@ -329,14 +336,16 @@ def replicas(model: str, n: int = 4, response_length: int = 64) -> dict:
             if k:
                 ray.get(router.clear_sticky_cache.remote())
             before, t = {a: _metrics(a) for a in servers}, time.time()
-            out = asyncio.run(worker.generate_sequences(grpo_batch(samples)))
+            out = asyncio.run(worker.generate_sequences(grpo_batch(samples, REPLICA_PROMPTS)))
+            responses = [worker.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(out.batch["responses"], out.batch["response_mask"])]
             stats = ray.get(router.das_stats.remote())
             per_server = {}
             for a, srv in servers.items():
                 after = _metrics(a)
                 per_server[a] = {**{m: after[m] - before[a][m] for m in after}, "proposer": snapshot(srv), "history": stats["history"][a]}
             report["iterations"].append({"samples": samples, "rows": len(out), "seconds": round(time.time() - t, 1), "placement": stats["placements"][k],
-                                         "routed": stats["routed"][k], "counters": stats["counters"], "servers": per_server})
+                                         "routed": stats["routed"][k], "counters": stats["counters"], "servers": per_server,
+                                         "responses": responses})
     finally:
         ray.shutdown()
     return report
