@@ -4,7 +4,10 @@ Each adapter is driven exactly as a vLLM proposer drives its drafter: ``start`` 
 first samples (its prompt), ``add`` with the tokens each verification step produced, ``propose``
 for the next step, ``stop`` when the request finishes; ``begin_iteration`` between policy
 versions. ``propose`` gets the request's context (prompt + output so far, an ``int32`` view) and
-returns the draft (a sequence of at most ``k`` token ids).
+returns the draft (a sequence of at most ``k`` token ids). The many-engine replay
+(:mod:`benchmarks.replay_engines`) also hands an engine's drafter rollouts finished on other
+engines: ``add_history`` (a problem it serves, with its policy version) and
+``add_global_history`` (any problem, into the cross-problem tree only).
 
 * :class:`DASAdapter`: :class:`das.DASDrafter` (per-problem trees + request tree).
 * :class:`ArcticAdapter`: arctic-inference's ``SuffixDecodingCache`` configured and called as
@@ -57,6 +60,16 @@ class DASAdapter:
 
     def stop(self, rid) -> None:
         self.d.stop_request(rid)
+
+    def add_history(self, hid, prompt: np.ndarray, output: np.ndarray, pid: str, version: int) -> bool:
+        """Ingest a rollout finished on another engine (:meth:`das.DASDrafter.add_rollout`, with its
+        policy version); returns whether the drafter kept it (in the window)."""
+        return self.d.add_rollout(prompt, output, problem_id=pid, policy_version=version)
+
+    def add_global_history(self, hid, prompt: np.ndarray, output: np.ndarray) -> bool:
+        """Ingest a rollout of a problem this engine does not serve into the global tree only
+        (:meth:`das.DASDrafter.add_rollout` with ``problem_tree=False``)."""
+        return self.d.add_rollout(prompt, output, problem_tree=False)
 
     def stored(self) -> tuple[int, int]:
         """(structural bytes, tokens) of the history (problem trees)."""
@@ -114,6 +127,22 @@ class ArcticAdapter:
 
     def stop(self, rid) -> None:
         self.cache_of.pop(rid).stop_request(rid)
+
+    def add_history(self, hid, prompt: np.ndarray, output: np.ndarray, pid: str, version: int) -> bool:
+        """Ingest a rollout finished on another engine through the cache's public calls (start,
+        the whole response, stop: its response joins the global tree as a cached response);
+        ``hid`` is its request id, distinct from every replayed one. The cache has no policy
+        versions: ``version`` is not used."""
+        c = self._cache(pid)
+        c.start_request(hid, prompt)
+        c.add_active_response(hid, output)
+        c.stop_request(hid)
+        self.tokens += output.shape[0]
+        return True
+
+    def add_global_history(self, hid, prompt: np.ndarray, output: np.ndarray) -> bool:
+        """The cache has one cross-problem tree: as :meth:`add_history` (the shared cache, per problem, when ``per_problem``)."""
+        return self.add_history(hid, prompt, output, None, 0) if not self.per_problem else False
 
     def stored(self) -> tuple[int, int]:
         """(arctic's own ``estimate_memory`` of its global trees, tokens added)."""
@@ -179,6 +208,12 @@ class NgramAdapter:
 
     def stop(self, rid) -> None:
         pass
+
+    def add_history(self, hid, prompt, output, pid, version) -> bool:
+        return False  # drafts from the request's own context only
+
+    def add_global_history(self, hid, prompt, output) -> bool:
+        return False
 
     def stored(self) -> tuple[int, int]:
         return 0, 0

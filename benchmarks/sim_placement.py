@@ -4,9 +4,9 @@ Placements (``PLACEMENTS``):
 
 * ``none``: contiguous chunks of the request list (groups in data order, siblings adjacent), as a
   trainer that splits its batch evenly over the rollout workers does; whole groups per GPU when
-  there are at least as many groups as GPUs.
+  the number of GPUs divides the number of groups.
 * ``lpt``: whole groups, longest predicted group work first, each to the least loaded GPU
-  (:func:`scheduler.assign_groups`, ties to fewer predicted-Long requests).
+  (:func:`scheduler.placement.assign_groups`, ties to fewer predicted-Long requests).
 * ``split``: the siblings of every group dealt over the GPUs (sample ``j`` of group ``p`` to GPU
   ``(p * S + j) mod N``): every GPU gets an equal share of every problem; an engine's drafter then
   sees only the siblings on its own GPU.
@@ -22,28 +22,26 @@ from __future__ import annotations
 import numpy as np
 
 from benchmarks.sim_engine import DONE, POS_BINS, RUNNING, WAITING, EngineParams, Gpu, Requests
-from scheduler.placement import assign_groups
+from scheduler.placement import assign_groups, predicted_group_work, route_rollouts
 from scheduler.predictor import LengthPredictor
 
 PLACEMENTS = ("none", "lpt", "split", "rebalance")
 
 
 def assign(n_groups: int, group_size: int, n_gpus: int, method: str, predictor: LengthPredictor | None = None, problem_ids=None) -> np.ndarray:
-    """GPU of every request (int64 ``[n_groups * group_size]``, request ``p * S + j``)."""
-    n = n_groups * group_size
+    """GPU of every request (int64 ``[n_groups * group_size]``, request ``p * S + j``), by
+    :mod:`scheduler.placement` (the engines' placement code): ``none`` and ``rebalance`` start from
+    ``contiguous`` chunks, ``split`` is ``interleaved``, ``lpt`` places whole groups by
+    :func:`scheduler.placement.predicted_group_work`."""
     if method in ("none", "rebalance"):
-        return (np.arange(n, dtype=np.int64) * n_gpus) // n
+        return route_rollouts(np.full(n_groups, group_size), n_gpus, "contiguous")
     if method == "split":
-        return np.arange(n, dtype=np.int64) % n_gpus
+        return route_rollouts(np.full(n_groups, group_size), n_gpus, "interleaved")
     if method == "lpt":
         if predictor is None or problem_ids is None:
             raise ValueError("lpt placement needs the predictor and the problem ids")
-        idx = predictor.index(problem_ids)
-        expected = predictor.predict(idx, np.zeros(n_groups)).expected_total * group_size
-        b2 = predictor.bounds[1]
-        n_long = np.array([int(round(group_size * np.mean(h >= b2))) if (h := predictor.history_lengths(p)).size else 0 for p in problem_ids])
-        g = assign_groups(expected, n_gpus, "lpt", n_long=n_long)
-        return np.repeat(g, group_size)
+        work, n_long = predicted_group_work(predictor, problem_ids, group_size)
+        return np.repeat(assign_groups(work, n_gpus, "lpt", n_long=n_long), group_size)
     raise ValueError(f"unknown placement {method!r}; expected one of {PLACEMENTS}")
 
 

@@ -30,6 +30,7 @@ from benchmarks.sim_budget import make_sim_budget
 from benchmarks.sim_engine import EngineParams
 from benchmarks.sim_placement import run_cluster
 from benchmarks.sim_workload import AcceptanceModel, LengthModel, prompt_lengths
+from scheduler.placement import route_rollouts
 
 SWEEP_GPUS = (8, 32, 128, 512, 2048)
 SWEEP_PER_GPU = (1, 4, 16, 64)
@@ -121,8 +122,8 @@ def _requests(sub: dict, params: EngineParams, rows: np.ndarray):
 def run_point(n_gpus: int, per_gpu: int, params: EngineParams, linear: dict, am: AcceptanceModel, *, seed: int, max_tokens: int, top: int = 6, budgets=SWEEP_BUDGETS, all_gpus: bool = False) -> dict[str, Any]:
     """One sweep point, one seed: makespan per speculation budget, and the break-even drafter time."""
     w = _workload(n_gpus, per_gpu, am, max_tokens, seed)
-    n = w["lengths"].size
-    gpu_of = np.arange(n, dtype=np.int64) % n_gpus  # split
+    p, s = w["lengths"].shape
+    gpu_of = route_rollouts(np.full(p, s), n_gpus, "interleaved")  # placement split
     if all_gpus or n_gpus <= 2 * top:
         chosen = np.arange(n_gpus)
     else:

@@ -1,6 +1,6 @@
 """Drafter CPU per engine step: the per-row verbs against the batch verbs, on a recorded trace.
 
-``python -m benchmarks.step_cost [--trace PATH] [--rows 16,64,256,1024] [--k 16] [--json PATH]``
+``python -m benchmarks.step_cost [--trace PATH] [--rows 16,64,256,1024] [--context 4096,16384] [--k 16] [--json PATH]``
 
 What one engine step asks of the drafter, as vLLM's proposer drives it: every running request
 appends the tokens its last verification accepted, then drafts up to K tokens. Measured per step
@@ -53,8 +53,15 @@ and the global-tree part of the requests stopped since the last step). With
 ``--gpu-ms 0`` the next step waits for it. The per-row path appends at once, so its drafts differ
 and only the batch paths are checked against each other.
 
+GPU shapes (``--context N``): a GPU engine runs 256 to 1,024 rows at contexts of 4K-16K tokens,
+where the trace's are a few hundred. Each rollout's prompt is then lengthened at its front with the
+trace's text of the other problems (in the copy's alphabet) so that its context ends at ``N``
+tokens: the request trees hold ``N`` tokens each (the problem and global trees
+only a prompt's last ``max_depth - 1`` tokens, as always), and starting a request costs that
+much more (timed apart, in ``lifecycle_ms_mean``).
+
 JSON (``--json``): ``{"rows": {"256": {"p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms",
-"mean_ms", "steps", ..., "per_row": {same keys}}}, "trace": ..., "machine": ..., "draft_threads": ...}``: the top-level
+"mean_ms", "steps", "context", ..., "per_row": {same keys}}, "256@4096": ...}, "trace": ..., "machine": ..., "draft_threads": ...}``: the top-level
 keys of a row count are the batch path's; ``per_row`` and ``proposer`` hold those paths' (when run).
 """
 
@@ -102,16 +109,47 @@ def copy_tokens(tokens: np.ndarray, c: int) -> np.ndarray:
     return ((tokens.astype(np.int64) + c * COPY_SHIFT) % (1 << 20)).astype(np.int32)
 
 
-class Workload:
-    """The trace, replicated for ``rows`` running requests (see the module docstring)."""
+def long_prompt(prompt: np.ndarray, output_len: int, context: int, filler: np.ndarray, at: int) -> np.ndarray:
+    """``prompt`` lengthened at its front to ``context - output_len`` tokens (unchanged when it is
+    as long already) with ``filler``'s tokens from index ``at`` on (cyclically): a rollout whose
+    context (prompt + output) ends at ``context`` tokens, as a long multi-turn or long-reasoning
+    context on a GPU does."""
+    need = context - output_len - prompt.shape[0]
+    if need <= 0:
+        return prompt
+    idx = (at + np.arange(need)) % filler.shape[0]
+    return np.concatenate([filler[idx], prompt]).astype(np.int32)
 
-    def __init__(self, iterations, rows: int):
+
+class Workload:
+    """The trace, replicated for ``rows`` running requests (see the module docstring). ``context``
+    (tokens, 0: the trace's own): each rollout's prompt is lengthened at its front so that its
+    context ends at ``context`` tokens (:func:`long_prompt`), with the trace's text of the other
+    problems (their rollouts' prompts and outputs, every iteration, in the copy's token alphabet)
+    as the filler: never the rollout's own text or its siblings', which would hand the request
+    tree the continuation to draft (a problem alone in the trace gets its prompt repeated)."""
+
+    def __init__(self, iterations, rows: int, context: int = 0):
         current = iterations[-1]
         self.history = iterations[:-1]
         copies = max(1, -(-QUEUE * rows // len(current)))
         self.copies = copies
+        self.context = context
         # queued rollouts: (problem id, prompt, full = prompt + output)
-        self.pool = [(f"{r.pid}#{c}", copy_tokens(r.prompt, c), copy_tokens(r.full, c)) for c in range(copies) for r in current]
+        self.pool = []
+        text = {}  # problem -> the other problems' text
+        if context:
+            every = [r for rs in iterations for r in rs]
+            for pid in {r.pid for r in current}:
+                other = [r.full for r in every if r.pid != pid]
+                text[pid] = np.concatenate(other or [r.prompt for r in current if r.pid == pid]).astype(np.int32)
+        for c in range(copies):
+            for i, r in enumerate(current):
+                prompt, output = copy_tokens(r.prompt, c), copy_tokens(r.output, c)
+                if context:
+                    filler = copy_tokens(text[r.pid], c)
+                    prompt = long_prompt(prompt, output.shape[0], context, filler, 7919 * (c * len(current) + i))
+                self.pool.append((f"{r.pid}#{c}", prompt, np.concatenate([prompt, output]).astype(np.int32)))
         self.width = max(full.shape[0] for _, _, full in self.pool)
         self.rows = rows
 
@@ -321,12 +359,13 @@ def summarize(runs: list[dict[str, Any]], rows: int) -> dict[str, Any]:
 
 
 def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=DEFAULT_PATHS,
-            config: dict[str, Any] | None = None, gpu_ms: float = 0.0, prices: tuple[float, float] | None = None) -> dict[str, Any]:
-    work = Workload(iterations, rows)
+            config: dict[str, Any] | None = None, gpu_ms: float = 0.0, prices: tuple[float, float] | None = None,
+            context: int = 0) -> dict[str, Any]:
+    work = Workload(iterations, rows, context)
     runs: dict[str, list] = {p: [] for p in paths}
     for i in range(repeats):
         for p in (paths if i % 2 == 0 else paths[::-1]):
-            print(f"rows {rows}: {p} (repeat {i + 1}/{repeats}) ...", file=sys.stderr, flush=True)
+            print(f"rows {rows}{f', context {context}' if context else ''}: {p} (repeat {i + 1}/{repeats}) ...", file=sys.stderr, flush=True)
             runs[p].append(simulate(work, p, k, max_steps, config, gpu_ms, prices))
     # per_row and batch make the same drafts; the proposer stops a finished request one step
     # later (at its next call, as in the engine), which can change a later draft a little
@@ -341,6 +380,8 @@ def measure(iterations, rows: int, k: int, max_steps: int, repeats: int, paths=D
         if p in out:
             res[p] = out[p]
     res["rows"] = rows
+    res["context"] = context or None
+    res["context_tokens_mean"] = round(float(np.mean([full.shape[0] for _, _, full in work.pool])), 1)
     res["problems"] = len({pid for pid, _, _ in work.pool})
     res["queued_rollouts"] = len(work.pool)
     return res
@@ -379,7 +420,7 @@ def format_table(report: dict[str, Any]) -> str:
     from tabulate import tabulate
 
     rows = []
-    for key, e in report["rows"].items():
+    for e in report["rows"].values():
         entries = [("per_row", e.get("per_row")), ("batch", e if "p50_ms" in e else None), ("proposer", e.get("proposer"))]
         for name, x in entries:
             if not x:
@@ -387,9 +428,10 @@ def format_table(report: dict[str, Any]) -> str:
             sp = ""
             if name == "batch" and e.get("per_row"):
                 sp = f"{e['per_row']['p50_ms'] / x['p50_ms']:.1f}x"
-            rows.append([int(key), name, *(float(x[k]) for k in ("p50_ms", "add_p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "us_per_row_p50")),
+            times = (float(x[k]) for k in ("p50_ms", "add_p50_ms", "p99_ms", "cpu_p50_ms", "cpu_p99_ms", "us_per_row_p50"))
+            rows.append([int(e["rows"]), e.get("context") or "trace", name, *times,
                          int(x["steps"]), float(x["tokens_per_row_step"]), float(x.get("deferred_ms_mean", 0.0)), sp])
-    head = ["rows", "path", "p50_ms", "append_p50", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "deferred_ms",
+    head = ["rows", "context", "path", "p50_ms", "append_p50", "p99_ms", "cpu_p50", "cpu_p99", "us/row", "steps", "tok/row/step", "deferred_ms",
             "speedup_p50"]
     machine = report["machine"]
     title = (f"trace: {report['trace']['path']} ({report['trace']['rollouts']} rollouts, {report['trace']['iterations']} iterations); "
@@ -398,8 +440,8 @@ def format_table(report: dict[str, Any]) -> str:
              f"forward pass between steps {report.get('gpu_ms', 0.0)} ms")
     if report.get("prices"):
         title += f"; proposer priced at c_base {report['prices']['c_base']} s, c_tok {report['prices']['c_tok']} s per token"
-    table = tabulate(rows, head, floatfmt=["", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ".3f", ""], colalign=[
-        "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
+    table = tabulate(rows, head, floatfmt=["", "", "", ".3f", ".3f", ".3f", ".3f", ".3f", ".2f", "", ".3f", ".3f", ""], colalign=[
+        "right", "right", "left", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "decimal", "right"])
     return f"{title}\n\n{table}"
 
 
@@ -411,6 +453,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-record", action="store_true", help="fail instead of recording a trace when none is cached")
     p.add_argument("--rows", action="append", default=None,
                    help="running requests (comma-separated, repeatable); default 16,64,256,1024")
+    p.add_argument("--context", action="append", default=None,
+                   help="context lengths in tokens (comma-separated, repeatable), each measured at every --rows: each "
+                        "rollout's prompt is lengthened at its front with the trace's text so that its context (prompt + "
+                        "output) ends there, as at a GPU's 4K-16K token contexts; 0 (default): the trace's own contexts")
     p.add_argument("--k", type=int, default=DEFAULT_K, help="draft budget per row and step (K)")
     p.add_argument("--max-steps", type=int, default=400, help="engine steps per run at most")
     p.add_argument("--repeats", type=int, default=3, help="runs per path, interleaved (a step's time: its fastest)")
@@ -431,6 +477,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     given = args.rows or [",".join(map(str, DEFAULT_ROWS))]
     rows = sorted({int(x) for arg in given for x in arg.split(",") if x.strip()})
+    try:
+        contexts = sorted({int(x) for arg in (args.context or ["0"]) for x in arg.split(",") if x.strip()})
+    except ValueError:
+        contexts = [-1]
+    if not contexts or min(contexts) < 0:
+        print(f"--context must be token counts >= 0 (comma-separated), got {args.context!r}", file=sys.stderr)
+        return 2
     if not rows or min(rows) < 1 or args.k < 1 or args.repeats < 1 or args.max_steps < 1:
         print("--rows, --k, --repeats and --max-steps must be >= 1", file=sys.stderr)
         return 2
@@ -479,8 +532,10 @@ def main(argv=None) -> int:
                     "loadavg_1m_at_start": round(os.getloadavg()[0], 2)},
         "rows": {},
     }
-    for n in rows:
-        report["rows"][str(n)] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths, config, args.gpu_ms, prices)
+    for ctx in contexts:
+        for n in rows:  # keyed by the rows, and by rows@context for a --context
+            key = f"{n}@{ctx}" if ctx else str(n)
+            report["rows"][key] = measure(iterations, n, args.k, args.max_steps, args.repeats, paths, config, args.gpu_ms, prices, ctx)
     report["machine"]["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(format_table(report))
     if args.json:

@@ -22,7 +22,7 @@ The drafter is this facade over parts with one job each:
 * :mod:`das.global_tree`: the global tree (the ``mix`` chooser's third scope) and the background
   thread that appends to it;
 * :mod:`das.mixer_state`: the ``mix`` chooser's weights, outcome tables and pending drafts;
-* :mod:`das.step_threads`: how an engine step's rows are split over threads; :mod:`das.host`:
+* :mod:`das.step_threads`: how an engine step's rows are split over threads, and the threaded append; :mod:`das.host`:
   the cores and GPUs that set the default threads.
 
 A request's context (prompt + output) ends with its own sequence in its problem tree and its
@@ -37,7 +37,7 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 
-from das import host, problem_store, step_append, step_threads
+from das import host, problem_store, step_threads
 from das import mix_kernels as mixing
 from das import trie_kernels as kernels
 from das.checks import I32, I64, as_tokens, batch_error, check_range, float_arg, int_arg, min_probs, row_vector, token_matrix
@@ -301,8 +301,8 @@ class DASDrafter:
         if m == 0:
             return
         h = req.handle
-        mixer = self._mixer
-        if mixer.pending_lengths[h] or mixer.pending_stop[h] >= 0:
+        pending = self._mixer.pending
+        if pending.lengths[h] or pending.stop[h] >= 0:
             check_range(arr, "tokens")
             handle, start, end = self._one_learn  # one row's arguments, reused
             handle[0] = h
@@ -367,7 +367,7 @@ class DASDrafter:
             handle[0] = req.handle
             budget[0] = max_tokens
             self._one_min_prob[0] = self.min_token_prob
-            self._mix_drafts(handle, budget, max_tokens, self._one_min_prob, tokens, probs, length, 1)
+            self._mix_drafts(handle, budget, max_tokens, self._one_min_prob, _new_tuple(DraftBatch, (tokens, probs, length)), 1)
             k = int(length[0])
             if k == 0:
                 return empty_draft()
@@ -418,18 +418,20 @@ class DASDrafter:
         if req.problem is not None:
             self._problems.stop_rollout(req_id, req.problem_id, req.problem, req.version, req.problem_seq)
 
-    def add_rollout(self, prompt_ids, output_ids, problem_id: Hashable | None = None, policy_version: int | None = None) -> bool:
+    def add_rollout(self, prompt_ids, output_ids, problem_id: Hashable | None = None, policy_version: int | None = None, *,
+                    problem_tree: bool = True) -> bool:
         """Ingest a finished rollout recorded elsewhere (another worker, a trace).
 
         Args:
             prompt_ids, output_ids: 1-D integer array-likes; the last ``max_depth - 1`` prompt
-                tokens and the output become one sequence of the problem tree.
+                tokens and the output become one sequence of the problem tree (and of the global tree).
             problem_id: default :func:`problem_id` of ``prompt_ids``.
             policy_version: int, default the current version. Rollouts older than the window and
                 not of the problem's last ``keep_visits`` visits are ignored.
+            problem_tree: False: the global tree only (a problem this drafter does not serve).
 
         Returns:
-            Whether the rollout was stored.
+            Whether the rollout was stored (False for ``problem_tree=False`` without a global tree).
 
         Raises:
             ValueError: bad tokens or version.
@@ -442,6 +444,10 @@ class DASDrafter:
         store = self._problems
         v = store.version if policy_version is None else int_arg(policy_version, "policy_version")
         pid = problem_id if problem_id is not None else problem_store.problem_id(prompt)
+        if not problem_tree:
+            if self._global is not None:
+                self._global.add_finished(np.concatenate([store.prompt_tail(prompt), out]))
+            return self._global is not None
         if not store.accepts(pid, v):
             return False
         prob = store.use(pid)
@@ -498,12 +504,12 @@ class DASDrafter:
         parts = step_threads.threads_for(rows, self._threads)
         glob = self._global is not None and not self.defer_global
         if parts > 1:
-            step_append.append_rows_threaded(self._trees, self._requests, self._mixer, self.chooser == "mix", self._global if glob else None,
+            step_threads.append_rows_threaded(self._trees, self._requests, self._mixer, self.chooser == "mix", self._global if glob else None,
                                              handles, tokens, starts, ends, parts)
             self.parallel_calls += 1
         else:
             self._learn(handles, tokens, starts, ends)
-            step_append.append_rows(self._trees, self._requests, handles, tokens, starts, ends)
+            step_threads.append_rows(self._trees, self._requests, handles, tokens, starts, ends)
             if glob:
                 self._global.append_rows(handles, tokens, starts, ends)
         if self.defer_global:
@@ -560,7 +566,7 @@ class DASDrafter:
             parts = step_threads.threads_for(rows, self._threads)
             if parts > 1 and not table.distinct(handles):
                 parts = 1  # a request on several rows: they would write its pending draft at once
-            self._mix_drafts(handles, budgets, kmax, mp, tokens, probs, lengths, parts)
+            self._mix_drafts(handles, budgets, kmax, mp, DraftBatch(tokens, probs, lengths), parts)
         elif rows:
             args = (self._trees.bufs, table.tree_refs, self._trees.prior, self.prior, handles, budgets, mp, self.max_spec_factor,
                     self.max_depth, tokens, probs, lengths)
@@ -573,23 +579,20 @@ class DASDrafter:
             self._global.start()
         return DraftBatch(tokens, probs, lengths)
 
-    def _mix_drafts(self, handles, budgets, kmax: int, min_probs: np.ndarray, tokens, probs, lengths, parts: int,
-                    mix_kernels=mixing) -> None:
-        """The ``mix`` kernel for these rows on ``parts`` threads: writes ``tokens`` / ``probs`` /
-        ``lengths`` and the rows' pending drafts (``kmax``: the largest budget; ``min_probs``:
-        float64, each row's cutoff). ``mix_kernels``: the module of the kernels (another version
-        of it in ``benchmarks.kernel_pair``)."""
+    def _mix_drafts(self, handles, budgets, kmax: int, min_probs: np.ndarray, out: DraftBatch, parts: int) -> None:
+        """The ``mix`` kernel for these rows on ``parts`` threads: writes ``out`` and the rows'
+        pending drafts (``kmax``: the largest budget; ``min_probs``: float64, each row's cutoff)."""
         mixer = self._mixer
-        if kmax > mixer.pending_tokens.shape[1]:
+        if kmax > mixer.pending.tokens.shape[1]:
             mixer.fit_draft_length(kmax)
-        args = (self._trees.bufs, self._requests.tree_refs, self._trees.prior, self.prior, self._global_index, self.prior, handles, budgets,
-                min_probs, self.max_depth, mixer.weights, tokens, probs, lengths, mixer.pending_tokens, mixer.pending_inputs,
-                mixer.pending_sets, mixer.pending_lengths, mixer.outcomes, mixer.pending_prev, mixer.pending_profiles, mixer.pending_stop,
-                self.defer_global)
+        scopes = mixing.Scopes(self._requests.tree_refs, self._trees.prior, self.prior, self._global_index, self.prior, self.max_depth)
+        # plain tuples: numba's dispatcher types them in C, a NamedTuple in Python (a few microseconds a call)
+        args = (self._trees.bufs, tuple(scopes), handles, budgets, min_probs, tuple(mixer.model), tuple(mixer.pending), self.defer_global,
+                tuple(out))
         if parts > 1:
-            self._on_threads(parts, mix_kernels.mix_batch_parallel, *args, parts)
+            self._on_threads(parts, mixing.mix_batch_parallel, *args, parts)
         else:
-            mix_kernels.mix_batch(*args)
+            mixing.mix_batch(*args)
 
     def _on_threads(self, parts: int, kernel, *args) -> None:
         """:func:`das.step_threads.on_threads`, counted in ``parallel_calls``."""

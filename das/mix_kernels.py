@@ -87,6 +87,7 @@ the same reason a draft the engine cut short is learned from up to the token aft
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 from numba import njit, prange
@@ -143,6 +144,88 @@ _P = np.clip((np.arange(_LEVELS) + 0.5) / _LEVELS, _CLIP, 1.0 - _CLIP)
 _STRETCH = np.log(_P / (1.0 - _P))
 _ST0 = _STRETCH[0]  # stretch of a count of 0
 _APM_START = 1.0 / (1.0 + np.exp(-(np.arange(APM_KNOTS) * 0.5 - 6.0)))  # each knot's starting value: sigmoid(its logit)
+
+
+class MixModel(NamedTuple):
+    """What the mixer has learned (:class:`das.mixer_state.MixerState` builds it once; the arrays
+    are updated in place)."""
+
+    weights: np.ndarray  # float64[NSETS * NIN], one weight set per draft position 0, 1, 2, 3+
+    grad_sq: np.ndarray  # float64[NSETS * NIN], AdaGrad sums of squared gradients
+    outcomes: np.ndarray  # float64[4, OUTCOME_SLOTS, 2], (accepted, drafted) per token, pair, support profile, calibration knot
+
+
+class Pending(NamedTuple):
+    """Each request handle's last draft, waiting for its outcome (rows by handle)."""
+
+    tokens: np.ndarray  # int32[handles, K], the draft's tokens
+    inputs: np.ndarray  # float64[handles, K, NIN], each token's mixer inputs
+    sets: np.ndarray  # int64[handles, K], each token's weight-set offset
+    lengths: np.ndarray  # int64[handles], draft lengths (0: none pending)
+    prev: np.ndarray  # int64[handles], the context's last token when it drafted
+    profiles: np.ndarray  # int64[handles, K], each token's support profile
+    stop: np.ndarray  # int64[handles], the token the draft stopped before (-1: none)
+
+
+class Scopes(NamedTuple):
+    """Where a step's rows draft from: the requests' places in the drafter's trees (the trees
+    themselves, a numba typed List, come beside it: in a tuple, numba's dispatcher would type the
+    List in Python on every call, about 0.1 ms)."""
+
+    refs: np.ndarray  # int64[handles, R_COLS], per handle its trees and slots (das.request_table.RequestTable.tree_refs)
+    tree_prior: np.ndarray  # float64[tree indices], a problem tree's prior in its weight units
+    request_prior: float  # the request trees' prior
+    global_index: int  # the global tree's index (-1: none)
+    global_prior: float  # the global tree's prior
+    max_depth: int  # the largest max_depth of the trees (sizes the scratch)
+
+
+class RowScopes(NamedTuple):
+    """One row's scopes as :func:`_mix` reads them (scratch of :func:`_mix_rows`, int64[NT] / float64[NT])."""
+
+    addr: np.ndarray  # scope -> its tree buffer's address (an absent scope's: a placeholder)
+    tix: np.ndarray  # scope -> tree index (-1: scope absent)
+    priors: np.ndarray  # scope -> prior
+
+
+class Loci(NamedTuple):
+    """A row's loci per scope, longest first (scratch, ``[NT, D + 1]`` and ``[NT]``)."""
+
+    node: np.ndarray  # int64, the node at or below the locus
+    depth: np.ndarray  # int64, the locus's string depth (below the node's when inside its edge)
+    length: np.ndarray  # int64, the context suffix's length (match length)
+    count: np.ndarray  # int64[NT], loci per scope
+
+
+class MixScratch(NamedTuple):
+    """Per draft position scratch of :func:`_mix`: one entry per locus (``tops`` ... ``topn``),
+    per candidate and locus (``kids``), per candidate (``cand``), per input (``sums``, ``cnts``)."""
+
+    tops: np.ndarray  # int64, the locus's most frequent next token (-1: none)
+    topc: np.ndarray  # float64, that token's weighted count
+    totr: np.ndarray  # float64, the locus's total weighted count
+    totp: np.ndarray  # float64, that total plus the scope's prior
+    feat: np.ndarray  # int64, the locus's scope x bucket input
+    only: np.ndarray  # bool, the locus is inside an edge (one continuation)
+    topn: np.ndarray  # int64, the node of the most frequent token
+    kids: np.ndarray  # int64, per candidate and locus: the child a lookup found
+    cand: np.ndarray  # int64, the candidate tokens
+    sums: np.ndarray  # float64[NIN], a candidate's inputs
+    cnts: np.ndarray  # float64[NIN], 1 where some locus gives an input
+    srange: np.ndarray  # float64[2], the support table's range of inputs
+
+
+class RowDraft(NamedTuple):
+    """Where :func:`_mix` writes one row's draft: its tokens and path probabilities (the row of
+    the output), and for learning its tokens' inputs, weight sets and support profiles (the
+    handle's pending row) and the token it stopped before (``stop[0]``)."""
+
+    tokens: np.ndarray
+    probs: np.ndarray
+    inputs: np.ndarray
+    sets: np.ndarray
+    profiles: np.ndarray
+    stop: np.ndarray
 
 
 def initial_weights() -> np.ndarray:
@@ -312,13 +395,16 @@ def calibrated(outcomes, so, sup, z):
 
 
 @njit(cache=True)
-def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev, srange):
+def _others_bound(tix, nl, scratch, ntop, nc, model, so, prev):
     """An upper bound of the mixer's logit for every candidate but the first (``cand[1:nc]``),
     from the loci's top counts alone (no child lookups): at a locus whose most frequent token is
     the first candidate, another token has at most the rest of the count, elsewhere at most the
     top count; each input lies between its value at those counts and at a count of 0, and the
     logit is bounded input by input by the larger of ``w * low`` and ``w * high``. Uses ``sums``
     (the inputs at those counts) and ``cnts`` (1 where a locus gives the input) as scratch."""
+    tops, topc, totr, totp, feat, only, topn, kids, cand, sums, cnts, srange = scratch
+    wt = model.weights
+    outcomes = model.outcomes
     a = cand[0]
     for f in range(NIN):
         sums[f] = 0.0
@@ -385,13 +471,20 @@ def _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, w
 
 
 @njit(cache=True)
-def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, xrow, xset, tops, topc, totr, totp, feat,
-         only, topn, kids, cand, sums, cnts, outcomes, prev, srange, xsup, stop):
+def _mix(scopes, loci, scratch, model, K, min_prob, prev, out):
     """Draft up to ``K`` tokens by mixing the loci of scopes 0, 1, 2 (tree buffers at ``addr[s]``,
     :func:`das.trie_kernels.address_of`; ``tix[s] < 0``: scope ``s`` absent, its buffer a
     placeholder). Writes the draft to ``out_tok`` / ``out_prob`` (path probabilities), each
     token's inputs to ``xrow[j]`` and weight set to ``xset[j]``; returns its length. A draft that stops by its probability
-    also writes the token it stopped before to ``stop[0]`` (left as the caller set it otherwise)."""
+    also writes the token it stopped before to ``stop[0]`` (left as the caller set it otherwise).
+    ``scopes``: :class:`RowScopes`; ``loci``: :class:`Loci`; ``scratch``: :class:`MixScratch`;
+    ``model``: :class:`MixModel` (read only); ``out``: :class:`RowDraft`."""
+    addr, tix, priors = scopes
+    lu, ld, lL, nl = loci
+    tops, topc, totr, totp, feat, only, topn, kids, cand, sums, cnts, srange = scratch
+    wt = model.weights
+    outcomes = model.outcomes
+    out_tok, out_prob, xrow, xset, xsup, stop = out
     P = 1.0
     k = 0
     while k < K:
@@ -453,7 +546,7 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
         bsup = 0
         lw = tops.shape[0]
         for ci in range(nc):
-            if ci == 1 and _others_bound(tix, nl, tops, topc, totr, totp, feat, only, ntop, cand, nc, wt, so, sums, cnts, outcomes, prev, srange) < bz:
+            if ci == 1 and _others_bound(tix, nl, scratch, ntop, nc, model, so, prev) < bz:
                 break  # no other candidate can beat the first: skip their lookups (the same draft)
             t = cand[ci]
             for f in range(NIN):
@@ -576,31 +669,32 @@ def _mix(addr, tix, priors, lu, ld, lL, nl, K, wt, min_prob, out_tok, out_prob, 
 
 
 @njit(cache=True)
-def mix_batch(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook):
+def mix_batch(trees, scopes, handles, budgets, min_probs, model, pending, glook, out):
     """Context-mixing drafts for every row (see the module docstring): request ``handles[r]``
-    drafts up to ``budgets[r]`` tokens from its problem tree (prior ``tprior[tree]``), its request
-    tree (prior ``req_prior``) and the global tree ``trees[gti]`` (prior ``gprior``; -1: none).
-    Row ``r``'s draft stops before its path probability falls below ``min_probs[r]`` (float64,
-    one per row). Writes ``out_tok[r, :k]`` / ``out_prob[r, :k]`` (the rest: -1 / 0.0) and
-    ``out_len[r]``, and for learning the draft per handle: ``dtok[h, :k]``, inputs ``dx[h, :k]``, weight-set offsets
-    ``dset[h, :k]``, support profiles ``dsup[h, :k]``, ``dk[h] = k``, the context's last token
-    ``dprev[h]``. ``outcomes``: ``float64[4, OUTCOME_SLOTS, 2]`` (accepted, drafted) per token id,
-    per (previous token, token) pair and per support profile (its first :data:`SUPPORT_ROWS`
-    rows; table 3: the calibration maps), read only. ``dstop[h]``: the token the draft stopped
-    before by its probability (its inputs, weight set and profile at ``dx[h, k]``, ``dset[h, k]``,
-    ``dsup[h, k]``), else -1. ``D``: the largest ``max_depth`` of the trees (it sizes the
-    scratch arrays; each scope reads contexts up to its own tree's depth). ``glook``: the global
-    scope's loci are looked up from the root (:func:`_context_loci`) instead of read from the
-    request's live sequence there (which lags the context when the drafter defers its appends
+    drafts up to ``budgets[r]`` tokens from its problem tree (prior ``scopes.tree_prior[tree]``),
+    its request tree (prior ``scopes.request_prior``) and the global tree
+    ``trees[scopes.global_index]`` (``trees``: numba typed List of the tree buffers by index;
+    prior ``scopes.global_prior``; index -1: none). ``scopes`` holds the fields of
+    :class:`Scopes`, ``model`` of :class:`MixModel`, ``pending`` of :class:`Pending` and ``out`` of
+    :class:`das.draft.DraftBatch`, each as a plain tuple in that order (numba's dispatcher types a
+    plain tuple of arrays in C, a NamedTuple in Python: microseconds a call). Row ``r``'s draft
+    stops before its path probability falls below ``min_probs[r]`` (float64, one per row). Writes ``out``:
+    ``tokens[r, :k]`` / ``probs[r, :k]`` (the rest: -1 / 0.0) and ``lengths[r]``, and for learning
+    the draft per handle in ``pending`` (:class:`Pending`): its tokens, inputs, weight-set offsets,
+    support profiles, length ``k`` and the context's last token. ``model`` (:class:`MixModel`) is
+    read only: the weights, and the outcome tables (accepted, drafted) per token id, per (previous
+    token, token) pair and per support profile (table 3: the calibration maps). ``pending.stop[h]``:
+    the token the draft stopped before by its probability (its inputs, weight set and profile at
+    index ``k``), else -1. ``scopes.max_depth``: the largest ``max_depth`` of the trees (it sizes
+    the scratch arrays; each scope reads contexts up to its own tree's depth). ``glook``: the
+    global scope's loci are looked up from the root (:func:`_context_loci`) instead of read from
+    the request's live sequence there (which lags the context when the drafter defers its appends
     to the global tree). One thread."""
-    _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, np.zeros(1, np.int64))
+    _mix_rows(trees, scopes, handles, budgets, min_probs, model, pending, glook, out, np.zeros(1, np.int64))
 
 
 @njit(cache=True, parallel=True)
-def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob,
-                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, parts):
+def mix_batch_parallel(trees, scopes, handles, budgets, min_probs, model, pending, glook, out, parts):
     """:func:`mix_batch` on ``parts`` threads (numba's ``prange``), as vLLM's n-gram proposer
     batches its rows. Each part claims the next undrafted row from a shared counter
     (:func:`das.trie_kernels.fetch_add`) until none is left, so a part that drew short drafts
@@ -609,59 +703,57 @@ def mix_batch_parallel(trees, ri, tprior, req_prior, gti, gprior, handles, budge
     distinct (the caller checks)."""
     claim = np.zeros(1, np.int64)
     for _p in prange(parts):
-        _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
-                  dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim)
+        _mix_rows(trees, scopes, handles, budgets, min_probs, model, pending, glook, out, claim)
 
 
 @njit(cache=True)
-def _mix_rows(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, D, wt, out_tok, out_prob, out_len,
-              dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim):
+def _mix_rows(trees, scopes, handles, budgets, min_probs, model, pending, glook, out, claim):
     """:func:`mix_batch` for rows claimed one at a time from the counter ``claim[0]``
     (``int64[1]``, from 0, shared by the parts; alone, a part takes every row in order) until
     every row is taken. With its own scratch arrays."""
     # the scratch arrays are views of one block per dtype: 3 allocations instead of 20, a large
     # share of a one-row call such as DASDrafter.speculate
+    refs, tree_prior, request_prior, global_index, global_prior, D = scopes
+    weights, grad_sq, outcomes = model
+    ptok, pin, pset, plen, pprev, pprof, pstop = pending
+    otok, oprob, olen = out
     W = NT * (D + 1)
     ib = np.empty((7 + MAX_CAND) * W + 3 * NT + 1, np.int64)
     fb = np.empty(3 * W + NT + 2 * NIN + 2, np.float64)
-    lu = ib[0:W].reshape((NT, D + 1))
-    ld = ib[W : 2 * W].reshape((NT, D + 1))
-    lL = ib[2 * W : 3 * W].reshape((NT, D + 1))
-    tops = ib[3 * W : 4 * W]
-    feat = ib[4 * W : 5 * W]
-    topn = ib[5 * W : 6 * W]
-    cand = ib[6 * W : 7 * W]
-    kids = ib[7 * W : (7 + MAX_CAND) * W]
-    o = (7 + MAX_CAND) * W
-    nl = ib[o : o + NT]
-    tix = ib[o + NT : o + 2 * NT]
-    addr = ib[o + 2 * NT : o + 3 * NT]  # the scopes' tree buffers by address (no reference counts in _mix)
-    stop = ib[o + 3 * NT : o + 3 * NT + 1]
-    topc = fb[0:W]
-    totr = fb[W : 2 * W]
-    totp = fb[2 * W : 3 * W]
-    priors = fb[3 * W : 3 * W + NT]
-    sums = fb[3 * W + NT : 3 * W + NT + NIN]
-    cnts = fb[3 * W + NT + NIN : 3 * W + NT + 2 * NIN]
-    srange = fb[3 * W + NT + 2 * NIN : 3 * W + NT + 2 * NIN + 2]  # the support table's range of inputs (bounds any candidate's)
     only = np.empty(W, np.bool_)
+    o = (7 + MAX_CAND) * W
     # every array borrowed (das.trie_kernels.borrow): numba counts a reference, atomically,
     # whenever a variable or an inlined helper's parameter takes an array (several times per locus
     # in _mix; both threads count on the shared weights' and tables' counters). These arrays
     # outlive the call: the arguments are the caller's, the scratch arrays this function's.
-    _mix_rows_borrowed(trees, borrow(ri), borrow(tprior), req_prior, gti, gprior, borrow(handles), borrow(budgets),
-                       borrow(min_probs), borrow(wt), borrow(out_tok), borrow(out_prob), borrow(out_len), borrow(dtok),
-                       borrow(dx), borrow(dset), borrow(dk), borrow(outcomes), borrow(dprev), borrow(dsup), borrow(dstop),
-                       glook, borrow(claim), borrow(lu), borrow(ld), borrow(lL), borrow(nl), borrow(tix), borrow(addr),
-                       borrow(priors), borrow(tops), borrow(topc), borrow(totr), borrow(totp), borrow(feat), borrow(only),
-                       borrow(topn), borrow(kids), borrow(cand), borrow(sums), borrow(cnts), borrow(stop), borrow(srange))
+    loci = Loci(borrow(ib[0:W].reshape((NT, D + 1))), borrow(ib[W : 2 * W].reshape((NT, D + 1))),
+                borrow(ib[2 * W : 3 * W].reshape((NT, D + 1))), borrow(ib[o : o + NT]))
+    row = RowScopes(borrow(ib[o + 2 * NT : o + 3 * NT]), borrow(ib[o + NT : o + 2 * NT]), borrow(fb[3 * W : 3 * W + NT]))
+    scratch = MixScratch(borrow(ib[3 * W : 4 * W]), borrow(fb[0:W]), borrow(fb[W : 2 * W]), borrow(fb[2 * W : 3 * W]),
+                         borrow(ib[4 * W : 5 * W]), borrow(only), borrow(ib[5 * W : 6 * W]), borrow(ib[7 * W : (7 + MAX_CAND) * W]),
+                         borrow(ib[6 * W : 7 * W]), borrow(fb[3 * W + NT : 3 * W + NT + NIN]),
+                         borrow(fb[3 * W + NT + NIN : 3 * W + NT + 2 * NIN]), borrow(fb[3 * W + NT + 2 * NIN : 3 * W + NT + 2 * NIN + 2]))
+    stop = borrow(ib[o + 3 * NT : o + 3 * NT + 1])
+    mine = Scopes(borrow(refs), borrow(tree_prior), request_prior, global_index, global_prior, D)
+    learned = MixModel(borrow(weights), borrow(grad_sq), borrow(outcomes))
+    waiting = Pending(borrow(ptok), borrow(pin), borrow(pset), borrow(plen), borrow(pprev), borrow(pprof), borrow(pstop))
+    drafts = (borrow(otok), borrow(oprob), borrow(olen))
+    _mix_rows_borrowed(trees, mine, borrow(handles), borrow(budgets), borrow(min_probs), learned, waiting, glook, drafts, borrow(claim),
+                       (row, loci, scratch, stop))
 
 
 @njit(cache=True)
-def _mix_rows_borrowed(trees, ri, tprior, req_prior, gti, gprior, handles, budgets, min_probs, wt, out_tok, out_prob,
-                       out_len, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop, glook, claim, lu, ld, lL, nl, tix, addr,
-                       priors, tops, topc, totr, totp, feat, only, topn, kids, cand, sums, cnts, stop, srange):
-    """:func:`_mix_rows`'s row loop, on borrowed arrays (:func:`borrow`)."""
+def _mix_rows_borrowed(trees, scopes, handles, budgets, min_probs, model, pending, glook, out, claim, work):
+    """:func:`_mix_rows`'s row loop, on borrowed arrays (:func:`borrow`); ``work``: the scratch
+    (:class:`RowScopes`, :class:`Loci`, :class:`MixScratch`, the stop token's cell)."""
+    ri, tprior, req_prior, gti, gprior, D = scopes
+    out_tok, out_prob, out_len = out
+    dtok, dx, dset, dk, dprev, dsup, dstop = pending
+    row, loci, scratch, stop = work
+    addr, tix, priors = row
+    lu, ld, lL, nl = loci
+    srange = scratch.srange
+    outcomes = model.outcomes
     width = out_tok.shape[1]
     srange[0] = -1e300
     srange[1] = 1e300
@@ -706,8 +798,7 @@ def _mix_rows_borrowed(trees, ri, tprior, req_prior, gti, gprior, handles, budge
                     nl[2] = _seq_loci(addr[2], ri[h, R_GLOBAL_SLOT], lu, ld, lL, 2)
             prev = _last_token(addr[0], sl)
             dprev[h] = prev
-            k = _mix(addr, tix, priors, lu, ld, lL, nl, m, wt, min_probs[r], out_tok[r], out_prob[r], dx[h], dset[h], tops, topc,
-                     totr, totp, feat, only, topn, kids, cand, sums, cnts, outcomes, prev, srange, dsup[h], stop)
+            k = _mix(row, loci, scratch, model, m, min_probs[r], prev, RowDraft(out_tok[r], out_prob[r], dx[h], dset[h], dsup[h], stop))
             for j in range(k):
                 dtok[h, j] = out_tok[r, j]
         dk[h] = k
@@ -719,7 +810,7 @@ def _mix_rows_borrowed(trees, ri, tprior, req_prior, gti, gprior, handles, budge
 
 
 @njit(cache=True)
-def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, outcomes, dprev, dsup, dstop):
+def learn_rows(model, lr, handles, tokens, starts, ends, pending):
     """Learn from the outcomes of the rows' pending drafts: row ``r``'s verified tokens
     ``tokens[r, starts[r]:ends[r]]`` against request ``handles[r]``'s last draft ``dtok[h, :dk[h]]``
     (a row appending nothing leaves its draft pending).
@@ -730,7 +821,12 @@ def learn_rows(wt, g2, lr, handles, tokens, starts, ends, dtok, dx, dset, dk, ou
     profile's row ``dsup[h, j]``, and in table 3 its two calibration maps at its logit, split
     between the two nearest knots; the first draft token's previous token is ``dprev[h]``). When
     every draft token was accepted and a token follows, the stop token ``dstop[h]`` (if any) is
-    learned from it the same way. Clears ``dk[h]`` and ``dstop[h]``. Returns the outcomes learned from."""
+    learned from it the same way. Clears ``dk[h]`` and ``dstop[h]``. Returns the outcomes learned from.
+    ``model``: :class:`MixModel` (``wt`` its weights, ``g2`` its squared gradients, ``outcomes``
+    its tables); ``pending``: :class:`Pending` (``dtok``, ``dx``, ``dset``, ``dk``, ``dprev``,
+    ``dsup``, ``dstop`` its tokens, inputs, sets, lengths, previous tokens, profiles and stops)."""
+    wt, g2, outcomes = model
+    dtok, dx, dset, dk, dprev, dsup, dstop = pending
     n = 0
     for r in range(handles.shape[0]):
         h = handles[r]

@@ -25,80 +25,72 @@ class MixerState:
         lr: float > 0, AdaGrad step size (the drafter's ``mix_lr``).
         handles: request handles the pending arrays hold at first (they grow with the request table).
 
-    Attributes (arrays the kernels read and write; rows by request handle):
-        weights: ``float64[NSETS * NIN]`` mixer weights, one set per draft position 0, 1, 2, 3+.
-        grad_sq: ``float64[NSETS * NIN]`` AdaGrad sums of squared gradients.
-        outcomes: ``float64[4, OUTCOME_SLOTS, 2]`` (accepted, drafted) of draft tokens: ``[0]`` per
-            token id, ``[1]`` per (previous token, token), ``[2]`` per support profile (its first
-            ``SUPPORT_ROWS`` rows), ``[3]`` the calibration maps' knots.
-        pending_tokens: ``int32[handles, K]`` each handle's pending draft tokens.
-        pending_inputs: ``float64[handles, K, NIN]`` their mixer inputs.
-        pending_sets: ``int64[handles, K]`` their weight-set offsets.
-        pending_profiles: ``int64[handles, K]`` their support profiles.
-        pending_lengths: ``int64[handles]`` pending draft lengths (0: none).
-        pending_prev: ``int64[handles]`` the context's last token when it drafted.
-        pending_stop: ``int64[handles]`` the token its draft stopped before (-1: none).
+    Attributes (the kernels read and write the arrays; built here, the one place):
+        model: :class:`das.mix_kernels.MixModel`: ``weights`` (``float64[NSETS * NIN]``, one set per
+            draft position 0, 1, 2, 3+), ``grad_sq`` (their AdaGrad sums of squared gradients) and
+            ``outcomes`` (``float64[4, OUTCOME_SLOTS, 2]`` (accepted, drafted) of draft tokens:
+            ``[0]`` per token id, ``[1]`` per (previous token, token), ``[2]`` per support profile
+            (its first ``SUPPORT_ROWS`` rows), ``[3]`` the calibration maps' knots).
+        pending: :class:`das.mix_kernels.Pending`, rows by request handle: each handle's pending
+            draft (``tokens`` ``int32[handles, K]``, their mixer ``inputs`` ``float64[handles, K,
+            NIN]``, weight-set offsets ``sets`` and support ``profiles`` ``int64[handles, K]``),
+            its ``lengths`` (0: none), the context's last token when it drafted (``prev``) and the
+            token it stopped before (``stop``, -1: none), ``int64[handles]`` each. Rebuilt when it
+            grows (read it again after :meth:`grow_handles` or :meth:`fit_draft_length`).
         learned: draft-token (and stop-token) outcomes learned so far.
     """
 
     def __init__(self, lr: float, handles: int = 16):
         self.lr = lr
-        self.weights = mix_kernels.initial_weights()
-        self.grad_sq = np.zeros_like(self.weights)
-        self.pending_tokens = np.zeros((handles, 16), np.int32)
-        self.pending_inputs = np.zeros((handles, 16, mix_kernels.NIN), np.float64)
-        self.pending_sets = np.zeros((handles, 16), np.int64)
-        self.pending_lengths = np.zeros(handles, np.int64)
-        self.outcomes = np.zeros((4, mix_kernels.OUTCOME_SLOTS, 2), np.float64)
-        self.pending_profiles = np.zeros((handles, 16), np.int64)
-        self.pending_prev = np.zeros(handles, np.int64)
-        self.pending_stop = np.full(handles, -1, np.int64)
+        weights = mix_kernels.initial_weights()
+        self.model = mix_kernels.MixModel(weights, np.zeros_like(weights), np.zeros((4, mix_kernels.OUTCOME_SLOTS, 2), np.float64))
+        self.pending = _new_pending(handles, 16)
         self.learned = 0
 
     @property
     def handles(self) -> int:
         """Handles the pending arrays hold."""
-        return self.pending_lengths.shape[0]
+        return self.pending.lengths.shape[0]
 
     def grow_handles(self, n: int) -> None:
         """Room for ``n`` handles (more than now): the new ones with nothing pending."""
-        add = n - self.pending_lengths.shape[0]
-        self.pending_tokens = np.concatenate([self.pending_tokens, np.zeros((add,) + self.pending_tokens.shape[1:], np.int32)])
-        self.pending_inputs = np.concatenate([self.pending_inputs, np.zeros((add,) + self.pending_inputs.shape[1:], np.float64)])
-        self.pending_sets = np.concatenate([self.pending_sets, np.zeros((add,) + self.pending_sets.shape[1:], np.int64)])
-        self.pending_profiles = np.concatenate([self.pending_profiles, np.zeros((add,) + self.pending_profiles.shape[1:], np.int64)])
-        self.pending_lengths = np.concatenate([self.pending_lengths, np.zeros(add, np.int64)])
-        self.pending_prev = np.concatenate([self.pending_prev, np.zeros(add, np.int64)])
-        self.pending_stop = np.concatenate([self.pending_stop, np.full(add, -1, np.int64)])
+        old = self.pending
+        new = _new_pending(n, old.tokens.shape[1])
+        h = old.lengths.shape[0]
+        for a, b in zip(old, new):
+            b[:h] = a
+        self.pending = new
 
     def fit_draft_length(self, k: int) -> None:
         """Room for pending drafts of ``k`` tokens per handle. Drafts pending when it grows are
         dropped, not learned from (rare: a larger budget than ever before)."""
-        if k <= self.pending_tokens.shape[1]:
+        if k <= self.pending.tokens.shape[1]:
             return
-        n = self.pending_lengths.shape[0]
-        self.pending_tokens = np.zeros((n, k), np.int32)
-        self.pending_inputs = np.zeros((n, k, mix_kernels.NIN), np.float64)
-        self.pending_sets = np.zeros((n, k), np.int64)
-        self.pending_profiles = np.zeros((n, k), np.int64)
-        self.drop_pending(slice(None))
+        old = self.pending
+        self.pending = _new_pending(old.lengths.shape[0], k)._replace(prev=old.prev)
 
     def drop_pending(self, h: int | slice) -> None:
         """Forget handle ``h``'s pending draft and stop token: nothing of them will be learned."""
-        self.pending_lengths[h] = 0
-        self.pending_stop[h] = -1
+        self.pending.lengths[h] = 0
+        self.pending.stop[h] = -1
 
     def learn(self, handles: np.ndarray, tokens: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> None:
         """Learn the outcomes of the rows' pending drafts from their verified tokens
         ``tokens[r, starts[r]:ends[r]]`` (rows checked by the caller)."""
-        self.learned += mix_kernels.learn_rows(self.weights, self.grad_sq, self.lr, handles, tokens, starts, ends, self.pending_tokens,
-                                               self.pending_inputs, self.pending_sets, self.pending_lengths, self.outcomes,
-                                               self.pending_prev, self.pending_profiles, self.pending_stop)
+        self.learned += mix_kernels.learn_rows(tuple(self.model), self.lr, handles, tokens, starts, ends, tuple(self.pending))
 
     def age(self, factor: float) -> None:
         """Multiply the outcome counts by ``factor`` (a new policy version: what older policies did weighs less)."""
-        self.outcomes *= factor
+        self.model.outcomes[:] *= factor
 
     def weight_sets(self) -> np.ndarray:
         """A copy of the weights as ``float64[NSETS, NIN]``."""
-        return self.weights.reshape(mix_kernels.NSETS, mix_kernels.NIN).copy()
+        return self.model.weights.reshape(mix_kernels.NSETS, mix_kernels.NIN).copy()
+
+
+def _new_pending(handles: int, k: int) -> mix_kernels.Pending:
+    """Pending arrays for ``handles`` handles and drafts of ``k`` tokens, nothing pending."""
+    return mix_kernels.Pending(tokens=np.zeros((handles, k), np.int32), inputs=np.zeros((handles, k, mix_kernels.NIN), np.float64),
+                               sets=np.zeros((handles, k), np.int64), lengths=np.zeros(handles, np.int64),
+                               prev=np.zeros(handles, np.int64), profiles=np.zeros((handles, k), np.int64),
+                               stop=np.full(handles, -1, np.int64))

@@ -2,7 +2,7 @@
 
 numba stamps a cached function with the modification time and size of the file that defines it,
 and nothing else. das's kernels inline helpers across modules (``inline="always"``: the trie's
-node and hash helpers from :mod:`das.trie_kernels` are compiled into :mod:`das.step_kernels`,
+node and hash helpers from :mod:`das.trie_kernels` are compiled into :mod:`das.step_threads`,
 :mod:`das.mix_kernels` and the replay's drafters), so after a change to one module alone (an
 edit, a ``git pull``) the others' cached code still runs the old helpers. After a change of the
 node layout that is wrong drafts or a lookup that never ends. Here every function defined in a
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 _DIR = os.path.dirname(os.path.abspath(__file__))
-KERNEL_FILES = tuple(os.path.join(_DIR, name) for name in ("trie_kernels.py", "step_kernels.py", "mix_kernels.py"))
+KERNEL_FILES = tuple(os.path.join(_DIR, name) for name in ("trie_kernels.py", "step_threads.py", "mix_kernels.py"))
 _covered = set(KERNEL_FILES)
 
 

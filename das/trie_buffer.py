@@ -67,7 +67,7 @@ class TrieBuffer:
         D = self._max_depth
         ncap, hcap, scap, pcap = caps or self._initial_caps()
         meta, words = kernels.buffer_layout(D, ncap, hcap, scap, pcap)
-        self._buffer = np.empty(words, np.int64)
+        self._buffer = kernels.new_buffer(words)
         self._buffer[: kernels.M_LEN] = meta
         self._set_buffer()
         meta = self._meta
@@ -109,7 +109,7 @@ class TrieBuffer:
         for k in (kernels.M_HIGH_WATER, kernels.M_FREE_HEAD, kernels.M_NUM_FREE, kernels.M_LIVE_NODES, kernels.M_HASH_ENTRIES,
                   kernels.M_NUM_TOKENS):
             meta[k] = old_meta[k]
-        mem = np.empty(words, np.int64)
+        mem = kernels.new_buffer(words)
         mem[: kernels.M_LEN] = meta
         self._buffer = mem
         self._set_buffer()

@@ -14,7 +14,8 @@ token instead of one per distinct substring.
 
 Layout:
 
-* ``nodes``: ``int32[cap, NCOL]``, one 64-byte row per node; the columns are the ``C_*`` constants.
+* ``nodes``: ``int32[cap, NCOL]``, one 64-byte row per node, aligned to a cache line (a buffer from
+  :func:`new_buffer`); the columns are the ``C_*`` constants.
   Node 0 is the root (the empty string). A free row has ``C_PARENT == -1`` and is chained into the
   free list through ``C_NEXT``.
 * ``weights``: ``float64[cap, 2]``, a view of the last 16 bytes of each node row (one cache line
@@ -56,9 +57,9 @@ Entry points (each takes a tree's buffer ``mem``; a sequence is named by its slo
 :func:`draft_two_trees`; a verb's token argument, checked before anything changes: :func:`first_bad_token`;
 for all rows of an engine step :func:`check_batch`, :func:`add_batch`
 (:func:`add_batch_global` for the global tree; both on several threads, with the mixer's
-learning, in :func:`das.step_kernels.insert_batch_parallel`)
+learning, in :func:`das.step_threads.insert_batch_parallel`)
 and :func:`draft_batch` (:func:`draft_batch_parallel` on several threads). Python side:
-:func:`buffer_layout` and :func:`buffer_views`. Other numba code may build on
+:func:`buffer_layout`, :func:`new_buffer` and :func:`buffer_views`. Other numba code may build on
 :func:`borrowed_views`, :func:`greedy_walk` and :func:`prefetch`.
 """
 
@@ -87,6 +88,7 @@ C_IDX = 9  # index in that sequence just past the label's last token
 C_NCHILD = 10  # number of children
 C_FILTER = 11  # the children's first tokens as a bit filter (:func:`filter_bit`); HASHED: they are in the hash table
 NCOL = 16  # int32 columns per row: the 12 above, then the row's two float64 counts (``weights``)
+LINE_WORDS = 8  # int64 words per cache line (64 bytes): a node row's size, and its alignment
 
 # sequence columns
 S_BASE = 0  # start of the sequence's segment in the pool
@@ -141,7 +143,7 @@ def buffer_layout(max_depth: int, ncap: int, hcap: int, scap: int, pcap: int) ->
     scol += scol & 1
     pcap += pcap & 1
     meta = np.zeros(M_LEN, np.int64)
-    off = M_LEN
+    off = -(-M_LEN // LINE_WORDS) * LINE_WORDS  # node rows start on a cache line (in a buffer from new_buffer)
     meta[M_NODE_CAP] = ncap
     meta[M_NODES_AT] = off
     meta[M_WEIGHTS_AT] = off
@@ -159,6 +161,16 @@ def buffer_layout(max_depth: int, ncap: int, hcap: int, scap: int, pcap: int) ->
     meta[M_MAX_DEPTH] = max_depth
     meta[M_HASH_SHIFT] = 64 - (hcap.bit_length() - 1)
     return meta, off
+
+
+def new_buffer(words: int) -> np.ndarray:
+    """An uninitialised ``int64[words]`` buffer whose data starts on a 64-byte boundary, so that
+    with :func:`buffer_layout`'s offsets each 64-byte node row is one cache line (numpy's own
+    allocations are 16-byte aligned: a row would straddle two lines, and a node read could miss
+    twice). A view of a slightly larger array."""
+    raw = np.empty(words + LINE_WORDS - 1, np.int64)
+    skip = (-raw.ctypes.data // 8) % LINE_WORDS
+    return raw[skip : skip + words]
 
 
 def buffer_views(mem: np.ndarray):

@@ -572,8 +572,9 @@ def run_main(args: argparse.Namespace, argv: list[str] | None) -> int:
         if args.engines > 1:
             from integrations.rollout_engines import run_engines
 
-            results = run_engines(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar, trace_method=args.method,
-                                  rollouts=record, kv_gib=kv)
+            fields = run_engines(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar, trace_method=args.method,
+                                 rollouts=record, kv_gib=kv, seed_of=lambda version: sampling_seed(args, version))
+            results = {m: [IterationResult(**f) for f in fs] for m, fs in fields.items()}
         else:
             results = run_side_by_side(args.methods, model, all_prompts, problem_ids, schedule, args, progress=bar,
                                        trace_method=args.method, rollouts=record, kv_gib=kv)

@@ -56,13 +56,11 @@ def start_drivers(methods: list[str], model: str, args: argparse.Namespace, kv_g
 
 
 def iteration_result(it: int, version: int, results: dict[str, list[list[int]]], report: dict[str, Any], max_tokens: int):
-    """One :class:`integrations.rollout.IterationResult` from a driver's iteration (pooled over its engines)."""
-    from integrations.rollout import IterationResult
-
+    """The fields of one :class:`integrations.rollout.IterationResult` (a dict) from a driver's iteration (pooled over its engines)."""
     pooled = report["pooled"]
     lengths = np.array([len(s) for outs in results.values() for s in outs])
     wall = report["makespan_s"]
-    return IterationResult(
+    return dict(
         iteration=it, policy_version=version, rollouts=len(lengths), wall_time_s=round(wall, 3), tokens=pooled["tokens"],
         verification_steps=pooled["verification_steps"], acceptance_length=pooled["acceptance_length"], draft_tokens=pooled["draft_tokens"],
         accepted_tokens=pooled["accepted_tokens"], tokens_per_s=round(pooled["tokens"] / wall, 2) if wall else 0.0,
@@ -77,16 +75,16 @@ def iteration_result(it: int, version: int, results: dict[str, list[list[int]]],
 
 def run_engines(methods: list[str], model: str, prompts: list[list[int]], problem_ids: list[str], schedule: list[list[int]],
                 args: argparse.Namespace, progress=None, trace_method: str | None = None, rollouts: list | None = None,
-                kv_gib: int = 0) -> dict[str, list]:
+                kv_gib: int = 0, seed_of=lambda version: version) -> dict[str, list[dict[str, Any]]]:
     """Every iteration of ``schedule`` for every method on ``args.engines`` engines each (see the module docstring).
 
-    Returns ``{method: [IterationResult per iteration]}``, as :func:`integrations.rollout.run_side_by_side`;
+    ``seed_of(version)`` is iteration ``version``'s sampling seed (das-rollout's ``sampling_seed``).
+    Returns ``{method: [the fields of an IterationResult, per iteration]}``, as :func:`integrations.rollout.run_side_by_side`'s results;
     the rollouts of ``trace_method`` are appended to ``rollouts`` when it is a list (finish reason
     ``length`` for a rollout of ``max_tokens`` tokens, else ``stop``).
     """
     from integrations.results import rollout_digest
     from integrations.rl.ray_rollout import Group
-    from integrations.rollout import sampling_seed
 
     drivers = start_drivers(methods, model, args, kv_gib)
     results: dict[str, list] = {m: [] for m in methods}
@@ -101,9 +99,9 @@ def run_engines(methods: list[str], model: str, prompts: list[list[int]], proble
             groups = [Group(f"{version}:{k}", problem_ids[i], prompts[i], args.samples) for k, i in enumerate(chosen)]
             for m in (methods if it % 2 == 0 else methods[::-1]):
                 drv = drivers[m]
-                out = drv.run_iteration(groups, version, seed=sampling_seed(args, version) - version, sampling=sampling)
+                out = drv.run_iteration(groups, version, seed=seed_of(version) - version, sampling=sampling)
                 r = iteration_result(it, version, out, drv.last_iteration, args.max_tokens)
-                r.rollout_digests = [rollout_digest(o) for g in groups for o in out[g.group_id]]  # (group, sample) order, as one engine's
+                r["rollout_digests"] = [rollout_digest(o) for g in groups for o in out[g.group_id]]  # (group, sample) order, as one engine's
                 results[m].append(r)
                 if rollouts is not None and m == trace_method:
                     from integrations.data.trace import Rollout
@@ -114,7 +112,8 @@ def run_engines(methods: list[str], model: str, prompts: list[list[int]], proble
                                                     "length" if len(o) >= args.max_tokens else "stop"))
                 if progress is not None:
                     progress.update(1)
-                    progress.set_postfix_str(f"{m} it{it}: {r.tokens_per_s:.0f} tok/s, {r.acceptance_length:.2f} tok/step, makespan {r.makespan_s:.1f}s")
+                    progress.set_postfix_str(f"{m} it{it}: {r['tokens_per_s']:.0f} tok/s, {r['acceptance_length']:.2f} tok/step, "
+                                            f"makespan {r['makespan_s']:.1f}s")
     finally:
         for d in drivers.values():
             d.shutdown()

@@ -190,29 +190,29 @@ def test_the_tree_table_holds_each_trees_current_buffer_and_reuses_indices():
 
 def test_the_mixer_grows_with_the_handles_and_keeps_what_is_pending():
     m = MixerState(0.1, handles=2)
-    m.pending_lengths[1] = 3
-    m.pending_tokens[1, :3] = (5, 6, 7)
-    m.pending_stop[0] = 9
+    m.pending.lengths[1] = 3
+    m.pending.tokens[1, :3] = (5, 6, 7)
+    m.pending.stop[0] = 9
     m.grow_handles(4)
-    assert m.handles == 4 and m.pending_tokens.shape == (4, 16) and m.pending_inputs.shape[:2] == (4, 16)
-    assert m.pending_tokens[1, :3].tolist() == [5, 6, 7] and m.pending_lengths.tolist() == [0, 3, 0, 0]
-    assert m.pending_stop.tolist() == [9, -1, -1, -1]
+    assert m.handles == 4 and m.pending.tokens.shape == (4, 16) and m.pending.inputs.shape[:2] == (4, 16)
+    assert m.pending.tokens[1, :3].tolist() == [5, 6, 7] and m.pending.lengths.tolist() == [0, 3, 0, 0]
+    assert m.pending.stop.tolist() == [9, -1, -1, -1]
     m.drop_pending(0)
-    assert m.pending_stop[0] == -1
+    assert m.pending.stop[0] == -1
     m.fit_draft_length(8)  # long enough already: nothing dropped
-    assert m.pending_lengths[1] == 3
+    assert m.pending.lengths[1] == 3
     m.fit_draft_length(32)  # a longer draft than ever: room for it, pending drafts dropped
-    assert m.pending_tokens.shape == (4, 32) and m.pending_sets.shape == (4, 32) and not m.pending_lengths.any()
+    assert m.pending.tokens.shape == (4, 32) and m.pending.sets.shape == (4, 32) and not m.pending.lengths.any()
 
 
 def test_the_outcome_tables_age_and_the_weights_are_copied():
     m = MixerState(0.1)
-    m.outcomes[0, 5] = (2.0, 4.0)
+    m.model.outcomes[0, 5] = (2.0, 4.0)
     m.age(0.5)
-    assert m.outcomes[0, 5].tolist() == [1.0, 2.0]
+    assert m.model.outcomes[0, 5].tolist() == [1.0, 2.0]
     w = m.weight_sets()
     w[:] = 7.0
-    assert not (m.weights == 7.0).any()
+    assert not (m.model.weights == 7.0).any()
 
 
 # ---------------------------------------------------------------------- global tree

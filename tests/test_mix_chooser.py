@@ -89,15 +89,15 @@ def test_outcome_tables_carry_what_the_policy_did_with_a_draft_token_to_other_pr
             accepted += outcome == "accepted"
             d.add_tokens(pid, [8, 99] if outcome == "accepted" else [50])
         d.stop_request(pid)
-    assert drafted >= 3 and d._mixer.outcomes[0, 8].tolist() == [accepted, drafted]
+    assert drafted >= 3 and d._mixer.model.outcomes[0, 8].tolist() == [accepted, drafted]
     for table in (1, 2):  # one pair row, (7, 8); one support profile (8 deep in the problem and request trees)
-        assert d._mixer.outcomes[table].sum(axis=0).tolist() == [accepted, drafted]
-        assert np.count_nonzero(d._mixer.outcomes[table, :, 1]) == 1
+        assert d._mixer.model.outcomes[table].sum(axis=0).tolist() == [accepted, drafted]
+        assert np.count_nonzero(d._mixer.model.outcomes[table, :, 1]) == 1
     pid = "new"
     _start_on_new_problem(d, pid, rollouts=1)
     one = np.array([1], np.int64)
     with_counts = d.speculate_batch([pid], one, min_prob=0.0)
-    d._mixer.outcomes[:] = 0.0
+    d._mixer.model.outcomes[:] = 0.0
     without = d.speculate_batch([pid], one, min_prob=0.0)
     assert with_counts.tokens[0].tolist() == without.tokens[0].tolist() == [8]
     with_counts, without = float(with_counts.probs[0, 0]), float(without.probs[0, 0])
@@ -181,7 +181,7 @@ def test_the_longest_context_feeds_the_input_of_its_count_level(rollouts, level)
     d = DASDrafter(global_rollouts=0)
     _start_on_new_problem(d, "p", rollouts=rollouts)
     assert d.speculate("p", 4).tokens.tolist()[:1] == [8]
-    x = d._mixer.pending_inputs[d._requests.handles["p"], 0]  # the first draft token's inputs, pending until verified
+    x = d._mixer.pending.inputs[d._requests.handles["p"], 0]  # the first draft token's inputs, pending until verified
     slots = [mixing.LONGEST + lv * mixing.NT for lv in range(mixing.COUNT_LEVELS)]  # scope 0: the problem tree
     assert [x[g] != 0.0 for g in slots] == [lv == level for lv in range(mixing.COUNT_LEVELS)]
 
@@ -204,7 +204,7 @@ def test_every_draft_position_reads_one_locus_per_match_length_bucket():
         return mixing._STRETCH[min(int(count / (total + d.prior) * mixing._LEVELS), mixing._LEVELS - 1)]
 
     one_locus = [0.0, stretch(3, 3), stretch(3, 7)]  # no locus; a context only the 7s follow; "6", "5 6", "4 5 6"
-    x = d._mixer.pending_inputs[d._requests.handles["r"], 3, 1 : 1 + mixing.NB]  # the fourth draft token's problem-tree inputs
+    x = d._mixer.pending.inputs[d._requests.handles["r"], 3, 1 : 1 + mixing.NB]  # the fourth draft token's problem-tree inputs
     assert all(np.isclose(one_locus, v).any() for v in x), x
     assert np.isclose(x, stretch(3, 7)).sum() == 3  # buckets 1, 2 and 3-4: "6", "5 6", "4 5 6"
 
@@ -298,10 +298,10 @@ def test_parallel_batches_match_one_thread(monkeypatch, balanced_parts):
     global tree, appended with the learning beside the other trees' parts, likewise) and
     when a request has two rows (appended in order; drafted on one thread, as its rows would
     write one pending draft). With the trees dealt to the threads by load
-    (:func:`das.step_kernels.balance_parts`) and by id."""
+    (:func:`das.step_threads.balance_parts`) and by id."""
     import numba
 
-    from das import step_append, step_threads
+    from das import step_threads
 
     if numba.config.NUMBA_NUM_THREADS < 2:
         pytest.skip("numba has one thread here")
@@ -312,14 +312,14 @@ def test_parallel_batches_match_one_thread(monkeypatch, balanced_parts):
     one, two = DASDrafter(draft_threads=1, **kw), DASDrafter(draft_threads=2, **kw)
     assert (one.draft_threads, two.draft_threads) == (1, 2)
     finished = []  # rows the parallel append (two's) stopped at (a tree ran short), finished in Python
-    grow = step_append.finish_row
+    grow = step_threads.finish_row
 
     def finish_row(req, seg, part, done):
         if any(req is r for r in two._requests.requests.values()):
             finished.append(part)
         grow(req, seg, part, done)
 
-    monkeypatch.setattr(step_append, "finish_row", finish_row)
+    monkeypatch.setattr(step_threads, "finish_row", finish_row)
     global_rest = []  # rows after one where the global tree ran short, appended in Python
     rest = two._global.append_rows
     monkeypatch.setattr(two._global, "append_rows", lambda *a: (global_rest.append(a[-1]), rest(*a)))
@@ -389,19 +389,19 @@ def test_outcome_counts_of_older_policies_weigh_less():
     _start_on_new_problem(d, "p")
     d.speculate("p", 1)
     d.add_tokens("p", [50])  # its draft token 8 rejected
-    assert d._mixer.outcomes[0, 8].tolist() == [0.0, 1.0]
+    assert d._mixer.model.outcomes[0, 8].tolist() == [0.0, 1.0]
     d.begin_iteration(3)
-    assert d._mixer.outcomes[0, 8].tolist() == [0.0, 0.25]
+    assert d._mixer.model.outcomes[0, 8].tolist() == [0.0, 0.25]
     # every table fades (table 3: the outcome counts once in each of its two calibration maps)
-    assert d._mixer.outcomes.sum(axis=1)[:, 1].tolist() == [0.25, 0.25, 0.25, 0.5]
+    assert d._mixer.model.outcomes.sum(axis=1)[:, 1].tolist() == [0.25, 0.25, 0.25, 0.5]
     d.begin_iteration(3)  # the same version: no change
-    assert d._mixer.outcomes[0, 8].tolist() == [0.0, 0.25]
+    assert d._mixer.model.outcomes[0, 8].tolist() == [0.0, 0.25]
     flat = DASDrafter(global_rollouts=0, decay=1.0)
     _start_on_new_problem(flat, "p")
     flat.speculate("p", 1)
     flat.add_tokens("p", [50])
     flat.begin_iteration(5)
-    assert flat._mixer.outcomes[0, 8].tolist() == [0.0, 1.0]
+    assert flat._mixer.model.outcomes[0, 8].tolist() == [0.0, 1.0]
 
 
 def _sigmoid(z: float) -> float:
@@ -443,7 +443,7 @@ def test_the_token_a_draft_stopped_before_learns_from_the_bonus_token(bonus):
     assert _draft_of(d, "p", 1).tokens[0, :1].tolist() == [8]  # stopped before 9
     d.add_tokens("p", [8, bonus])  # 8 accepted, then the bonus token
     assert d.outcomes_learned == 2
-    assert d._mixer.outcomes[0, 9].tolist() == ([1.0, 1.0] if bonus == 9 else [0.0, 1.0])
+    assert d._mixer.model.outcomes[0, 9].tolist() == ([1.0, 1.0] if bonus == 9 else [0.0, 1.0])
 
 
 def test_the_token_after_a_rejection_teaches_nothing_about_the_stop_token():
@@ -453,12 +453,12 @@ def test_the_token_after_a_rejection_teaches_nothing_about_the_stop_token():
     _start_on_new_problem(d, "p")
     _draft_of(d, "p", 1)
     d.add_tokens("p", [50])  # 8 rejected; 50 recovered
-    assert d.outcomes_learned == 1 and d._mixer.outcomes[0, 9].tolist() == [0.0, 0.0]
+    assert d.outcomes_learned == 1 and d._mixer.model.outcomes[0, 9].tolist() == [0.0, 0.0]
     empty = DASDrafter(global_rollouts=0)  # a draft that stopped before its first token: the next token is a plain sample
     _start_on_new_problem(empty, "p")
     _draft_of(empty, "p", 0)
     empty.add_tokens("p", [8])
-    assert empty.outcomes_learned == 1 and empty._mixer.outcomes[0, 8].tolist() == [1.0, 1.0]
+    assert empty.outcomes_learned == 1 and empty._mixer.model.outcomes[0, 8].tolist() == [1.0, 1.0]
 
 
 def _true_rollouts(rng, problems: int, per_problem: int, length: int) -> dict:
@@ -523,7 +523,7 @@ def test_a_draft_stopped_at_the_steps_cut_learns_what_a_draft_cut_by_the_engine_
         for d in (deep, cut_short):
             d.add_tokens_batch(live, matrix, starts, ends)
         np.testing.assert_array_equal(deep.mixer_weights, cut_short.mixer_weights)
-        np.testing.assert_array_equal(deep._mixer.outcomes, cut_short._mixer.outcomes)
+        np.testing.assert_array_equal(deep._mixer.model.outcomes, cut_short._mixer.model.outcomes)
     assert kept_tokens > 200 and cut_tokens > 200  # the engine kept drafts, and the cut saved drafting
     for d in (deep, cut_short):
         d.close()

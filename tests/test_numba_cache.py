@@ -6,12 +6,12 @@ import os
 
 from numba.core.dispatcher import Dispatcher
 
-from das import mix_kernels, numba_cache, step_kernels, trie_kernels
+from das import mix_kernels, numba_cache, step_threads, trie_kernels
 
 
 def _stand_in_kernel_files(tmp_path, monkeypatch):
     files = []
-    for name in ("trie_kernels.py", "step_kernels.py", "mix_kernels.py"):
+    for name in ("trie_kernels.py", "step_threads.py", "mix_kernels.py"):
         path = tmp_path / name
         path.write_text("# stand-in\n")
         os.utime(path, (1_000_000, 1_000_000))
@@ -24,7 +24,7 @@ def test_a_change_to_the_trie_kernels_expires_the_cached_mix_and_step_kernels(tm
     # numba alone stamps a cached function with its own file only: mix_kernels' cache would keep
     # the trie helpers it inlined before trie_kernels.py changed
     trie, _, _ = _stand_in_kernel_files(tmp_path, monkeypatch)
-    locators = [mix_kernels.mix_batch._cache._impl.locator, step_kernels.insert_batch_parallel._cache._impl.locator]
+    locators = [mix_kernels.mix_batch._cache._impl.locator, step_threads.insert_batch_parallel._cache._impl.locator]
     before = [loc.get_source_stamp() for loc in locators]
     os.utime(trie, (2_000_000, 2_000_000))
     after = [loc.get_source_stamp() for loc in locators]
@@ -34,7 +34,7 @@ def test_a_change_to_the_trie_kernels_expires_the_cached_mix_and_step_kernels(tm
 
 
 def test_every_cached_kernel_of_das_uses_the_kernel_set_stamp():
-    for module in (trie_kernels, step_kernels, mix_kernels):
+    for module in (trie_kernels, step_threads, mix_kernels):
         kernels = [v for v in vars(module).values() if isinstance(v, Dispatcher) and v._cache._impl is not None
                    and getattr(v, "__module__", "") == module.__name__]
         assert kernels, module.__name__

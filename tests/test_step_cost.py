@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from benchmarks.replay import load_trace
-from benchmarks.step_cost import Workload, main, simulate
+from benchmarks.step_cost import Workload, copy_tokens, main, simulate
 
 
 def test_paths_take_the_same_steps_and_rows_are_replicated(tmp_path, synthetic_trace):
@@ -74,33 +74,6 @@ def test_priced_proposer_path_keeps_what_the_prices_pay_for_and_cuts_drafts_ther
     assert main(args + ["--prices", "0.02"]) == 2
 
 
-@pytest.mark.slow  # numba compiles two copies of the mix kernel module from fresh files: about 20 s of CPU
-def test_kernel_pair_drafts_every_step_with_both_kernels(tmp_path, capsys, synthetic_trace):
-    """``benchmarks.kernel_pair`` times two versions of the mix kernel on the same steps and counts
-    the steps whose drafts differ: none for a copy, some for a kernel that clips harder."""
-    from pathlib import Path
-
-    import das.mix_kernels as current
-    from benchmarks import kernel_pair
-
-    src = Path(current.__file__).read_text()
-    same, other = tmp_path / "same_mix.py", tmp_path / "other_mix.py"
-    same.write_text(src)
-    assert "_CLIP = 0.002\n" in src
-    other.write_text(src.replace("_CLIP = 0.002\n", "_CLIP = 0.2\n"))
-    work = Workload(load_trace(synthetic_trace(length=60)), rows=8)
-    for path, differs in ((same, False), (other, True)):
-        run = kernel_pair.paired_run(work, kernel_pair.load_kernels(path), k=8, max_steps=30, threads=1)
-        assert run["base"].shape == run["new"].shape and run["base"].shape[0] > kernel_pair.SKIP
-        assert (run["differ"] > 0) == differs
-    out = tmp_path / "pair.json"
-    assert kernel_pair.main(["--base", str(same), "--trace", str(synthetic_trace(length=60)), "--rows", "4", "--max-steps", "20",
-                             "--json", str(out)]) == 0
-    assert json.loads(out.read_text())["steps_drafting_differently"] == 0
-    assert "new / base" in capsys.readouterr().out
-    assert kernel_pair.main(["--base", str(tmp_path / "trace.parquet"), "--trace", str(synthetic_trace(length=60))]) == 2
-
-
 def test_deferred_global_appends_run_between_steps_and_are_reported(tmp_path, synthetic_trace):
     """``--gpu-ms`` waits between steps (untimed) and ``defer_global`` runs the global tree's
     appends then: the report carries their time per step; the drafts read a global tree one
@@ -141,3 +114,28 @@ def test_without_a_trace_the_default_one_is_recorded_once_then_reused(tmp_path, 
     capsys.readouterr()
     assert main(args + ["--no-record"]) == 2 and len(recorded) == 1
     assert "no rollout trace cached at" in capsys.readouterr().err
+
+
+def test_context_lengthens_each_prompt_at_its_front_to_the_gpu_shape(tmp_path, synthetic_trace):
+    """``--context N``: every queued rollout's context (prompt + output) ends at ``N`` tokens, its
+    own prompt and output unchanged at the end, the filler the other problems' text in the copy's
+    alphabet; 0 leaves the trace's rollouts as they are; the report keys the rows by rows@context."""
+    iterations = load_trace(synthetic_trace(length=60))
+    plain, long = Workload(iterations, rows=8), Workload(iterations, rows=8, context=500)
+    assert len(plain.pool) == len(long.pool) and long.width == 500
+    for (pid, prompt, full), (pid2, prompt2, full2) in zip(plain.pool, long.pool):
+        assert pid == pid2 and full2.shape[0] == 500 and full2.dtype == np.int32
+        assert np.array_equal(full2[500 - full.shape[0] :], full) and np.array_equal(prompt2[-prompt.shape[0] :], prompt)
+    pid, copy = long.pool[-1][0].split("#")
+    others = {int(t) for rs in iterations for r in rs if r.pid != pid for t in copy_tokens(r.full, int(copy))}
+    filler = long.pool[-1][1][: 500 - plain.pool[-1][2].shape[0]]
+    assert filler.shape[0] > 0 and {int(t) for t in filler} <= others  # the other problems' text, in the copy's alphabet
+    run = simulate(long, "batch", k=8, max_steps=20)
+    assert run["steps"] > 0
+    out = tmp_path / "cost.json"
+    args = ["--trace", str(synthetic_trace(length=60)), "--rows", "4", "--context", "300", "--paths", "batch", "--repeats", "1",
+            "--max-steps", "10", "--json", str(out)]
+    assert main(args) == 0
+    report = json.loads(out.read_text())
+    assert list(report["rows"]) == ["4@300"] and report["rows"]["4@300"]["context"] == 300
+    assert main(args[:4] + ["--context", "-1"]) == 2

@@ -1,4 +1,4 @@
-"""Which thread appends which rows in a step's threaded insert (:func:`das.step_kernels.balance_parts`)."""
+"""Which thread appends which rows in a step's threaded insert (:func:`das.step_threads.balance_parts`)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from das.step_kernels import balance_parts
+from das.step_threads import balance_parts
 
 
 def loads(owner, work, parts, base):

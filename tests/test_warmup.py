@@ -20,11 +20,11 @@ ENGINE_STEPS = textwrap.dedent(
     import numpy as np
     from numba.core.dispatcher import Dispatcher
 
-    import das.drafter, das.mix_kernels, das.step_kernels, das.suffix_tree, das.trie_kernels
+    import das.drafter, das.mix_kernels, das.step_threads, das.suffix_tree, das.trie_kernels
     from das.step_threads import PARALLEL_ROWS
     from integrations.vllm_ext.proposer import DASProposer
 
-    MODULES = (das.trie_kernels, das.mix_kernels, das.step_kernels, das.suffix_tree, das.drafter)
+    MODULES = (das.trie_kernels, das.mix_kernels, das.step_threads, das.suffix_tree, das.drafter)
 
     def compiled():
         return {f"{m.__name__}.{n}": len(f.overloads) for m in MODULES for n, f in vars(m).items() if isinstance(f, Dispatcher)}

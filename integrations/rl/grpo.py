@@ -49,7 +49,6 @@ __all__ = [
     "group_advantages",
     "PolicyTrainer",
     "request_caps",
-    "warm_up",
     "PolicyRun",
     "GRPOResult",
     "release_engine_state",
@@ -80,21 +79,6 @@ def request_caps(rec: Recipe, budget: str | None = None) -> Any:
 
 # ----------------------------------------------------------------------------------------------
 # one method's engine and trainer
-
-
-def warm_up(llm: Any, prompt_lengths: Sequence[int]) -> None:
-    """Untimed engine warm-up (as ``das-rollout``'s): two small generations (the second drafts from
-    the first), then one batch of random prompts of ``prompt_lengths`` tokens, marked ``das_warmup``
-    (left out of the drafter's history), so the first timed step carries no one-off start-up cost."""
-    from vllm import SamplingParams, TokensPrompt
-
-    for _ in range(2):
-        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(n=2, temperature=1.0, max_tokens=16), use_tqdm=False)
-    if prompt_lengths:
-        vocab = int(llm.llm_engine.model_config.get_vocab_size())
-        rng = np.random.default_rng(len(prompt_lengths))
-        prompts = [TokensPrompt(prompt_token_ids=rng.integers(0, vocab, max(1, n)).tolist()) for n in prompt_lengths]
-        llm.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0, extra_args={"das_warmup": True}), use_tqdm=False)
 
 
 class PolicyRun:
@@ -188,7 +172,9 @@ class PolicyRun:
                             tail_row_steps=pooled["tail_row_steps"], tail_accepted_tokens=pooled["tail_accepted_tokens"])
 
     def warm_up(self) -> None:
-        """:func:`warm_up` with step 0's batch shape (on every engine)."""
+        """:func:`integrations.vllm_ext.rollouts.warm_up` with step 0's batch shape (on every engine)."""
+        from integrations.vllm_ext.rollouts import warm_up
+
         lengths = self.work.first_batch_lengths(self.rec.rollout.samples)
         if self.driver is not None:
             self.driver.warm(lengths)

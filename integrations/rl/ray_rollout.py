@@ -189,8 +189,8 @@ class RolloutWorker:
         return BatchResult(out, stats)
 
     def warm(self, prompt_lengths: list[int]) -> None:
-        """Untimed warm-up (:func:`integrations.rl.grpo.warm_up`, as ``das-rollout``'s single engine has)."""
-        from integrations.rl.grpo import warm_up
+        """Untimed warm-up (:func:`integrations.vllm_ext.rollouts.warm_up`, as ``das-rollout``'s single engine has)."""
+        from integrations.vllm_ext.rollouts import warm_up
 
         warm_up(self.llm, prompt_lengths)
 

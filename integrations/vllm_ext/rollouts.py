@@ -278,3 +278,18 @@ def generate_rollouts(
         step_s=np.asarray(step_s, np.float64), running=np.asarray(running, np.int64), proposer=proposer,
         tail_row_steps=tail_row_steps, tail_draft_tokens=tail.get("draft_tokens", 0), tail_accepted_tokens=tail.get("accepted_tokens", 0),
     )
+
+
+def warm_up(llm: Any, prompt_lengths: Sequence[int]) -> None:
+    """Untimed engine warm-up (as ``das-rollout``'s): two small generations (the second drafts from
+    the first), then one batch of random prompts of ``prompt_lengths`` tokens, marked ``das_warmup``
+    (left out of the drafter's history), so the first timed step carries no one-off start-up cost."""
+    from vllm import SamplingParams, TokensPrompt
+
+    for _ in range(2):
+        llm.generate([TokensPrompt(prompt_token_ids=[1, 2, 3, 4])], SamplingParams(n=2, temperature=1.0, max_tokens=16), use_tqdm=False)
+    if prompt_lengths:
+        vocab = int(llm.llm_engine.model_config.get_vocab_size())
+        rng = np.random.default_rng(len(prompt_lengths))
+        prompts = [TokensPrompt(prompt_token_ids=rng.integers(0, vocab, max(1, n)).tolist()) for n in prompt_lengths]
+        llm.generate(prompts, SamplingParams(max_tokens=2, temperature=1.0, extra_args={"das_warmup": True}), use_tqdm=False)
