@@ -71,7 +71,7 @@ def test_a_groups_requests_go_to_one_server_and_groups_spread():
 
 
 def test_placement_follows_predicted_work_from_the_history():
-    router, _ = make(default_length=10)
+    router, _ = make(max_tokens=2000)
     # past lengths: "long" 1000 tokens per rollout, the others 10
     router._store.add([(f"u{i}", (pid, [1], [0] * length, 0)) for i, (pid, length) in enumerate([("long", 1000), ("x", 10), ("y", 10), ("z", 10)])])
     _, s_long = acquire(router, "long")
@@ -80,9 +80,9 @@ def test_placement_follows_predicted_work_from_the_history():
 
 
 def test_release_returns_predicted_work_and_unknown_release_is_ignored():
-    router, _ = make(default_length=5)
+    router, _ = make()
     rid, sid = acquire(router, "a")
-    assert router.get_status()["predicted_work"][sid] == 5
+    assert router.get_status()["predicted_work"][sid] == pytest.approx(router._predicted["a"][0]) and router._predicted["a"][0] > 0
     router.release_server(sid, request_id=rid)
     router.release_server("nowhere", request_id="x")
     assert router.get_status()["predicted_work"][sid] == 0 and router.get_total_inflight() == 0
@@ -181,6 +181,8 @@ def test_bad_config_and_requests_are_named():
         make(windw=3)
     with pytest.raises(ValueError, match="window"):
         make(window=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        make(max_tokens=0)
     with pytest.raises(RuntimeError, match="no rollout servers"):
         asyncio.run(DASRouter({}, store=HistoryStore()).acquire_server("r", prompt_ids=[1], sampling_params=sp("a")))
     with pytest.raises(ValueError, match="das_problem_id or prompt_ids"):
@@ -196,7 +198,7 @@ def test_each_problem_on_one_server_and_new_problems_to_the_least_predicted_work
     predicted work adds up to the requests' predicted lengths."""
     router, _ = make(n=n)
     for pid, length in groups:
-        router._predicted.setdefault(pid, float(length))
+        router._predicted.setdefault(pid, (float(length), 0))
     where = {}
     for pid, _ in groups:
         loads = dict(router.get_status()["predicted_work"])
@@ -204,7 +206,7 @@ def test_each_problem_on_one_server_and_new_problems_to_the_least_predicted_work
         if pid not in where:
             assert loads[sid] == min(loads.values())
         assert where.setdefault(pid, sid) == sid
-    total = sum(router._predicted[pid] for pid, _ in groups)
+    total = sum(router._predicted[pid][0] for pid, _ in groups)
     assert sum(router.get_status()["predicted_work"].values()) == pytest.approx(total)
 
 

@@ -13,11 +13,13 @@ router plug-in: ``rollout.router_config_path`` naming ``recipes/verl/das_router.
   loop; else the hash of the prompt tokens, :func:`das.problem_store.problem_id`) and sends every
   request of a problem to the server the problem was placed on in this iteration: a GRPO group's
   siblings share one drafter and see each other's tokens;
-- places a problem new to this iteration on the server with the least predicted outstanding work
-  (the sum of the predicted lengths of its in-flight requests; a problem's predicted length is the
-  mean output length of its last policy version in the shared history, else the mean over the problems
-  predicted so far, else ``default_length``), ties to fewer in-flight requests, then server order:
-  online list scheduling by predicted work, so long groups spread over the servers (DAS paper, Sec. 5);
+- places a problem new to this iteration by :func:`scheduler.placement.assign_groups` (``lpt``, the
+  project's one placement code) on top of the servers' predicted outstanding work (the predicted
+  lengths of their in-flight requests), a request's predicted length from
+  :class:`scheduler.predictor.LengthPredictor` (:func:`scheduler.placement.predicted_group_work`), fed by
+  the shared history (a problem's stored lengths at first sight) and every rollout published since
+  (this iteration's finished siblings included): requests arrive one at a time, so this is online
+  list scheduling by predicted work, and long groups spread over the servers (DAS paper, Sec. 5);
 - before the first request of a problem reaches a server in an iteration, pulls that problem's
   rollouts the server's drafter does not hold from the shared history
   (:class:`integrations.rl.history.HistoryClient`, one per server) and adds them to the drafter
@@ -42,6 +44,8 @@ from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from integrations.rl.history import DEFAULT_NAME, HistoryClient, history_actor
+from scheduler.placement import assign_groups, predicted_group_work
+from scheduler.predictor import LengthPredictor
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +54,7 @@ __all__ = ["DASRouter", "ROUTER_CONFIG", "das_agent_loop", "request_problem"]
 #: the router plug-in config shipped with das (``actor_rollout_ref.rollout.router_config_path``).
 ROUTER_CONFIG = "recipes/verl/das_router.yaml"
 
-_DEFAULTS = {"history_name": DEFAULT_NAME, "window": 16, "keep_visits": 2, "evict_after": 2, "default_length": 256.0, "timeout_s": 30.0}
+_DEFAULTS = {"history_name": DEFAULT_NAME, "window": 16, "keep_visits": 2, "evict_after": 2, "max_tokens": 4096, "timeout_s": 30.0}
 
 
 def request_problem(sampling_params: Mapping[str, Any] | None, prompt_ids: Sequence[int] | None) -> Hashable:
@@ -87,8 +91,9 @@ class DASRouter:
         servers: ``{server address: vLLMHttpServer actor handle}`` (or stand-ins with the same methods).
         config: the router YAML as a dict (verl's plug-in passes it whole): ``history_name`` (the
             :func:`integrations.rl.history.history_actor` name), ``window`` and ``keep_visits`` (policy
-            versions, as the drafters'), ``evict_after`` (policy versions a server keeps a problem it
-            no longer serves), ``default_length`` (tokens, a first-seen problem's predicted length),
+            versions, as the drafters' and the length predictor's), ``evict_after`` (policy versions a server
+            keeps a problem it no longer serves), ``max_tokens`` (the rollout's ``response_length``, the
+            length predictor's range),
             ``timeout_s`` (seconds to wait for the history store or a server).
         store: a :class:`integrations.rl.history.HistoryStore` or an actor handle of one (default: the named actor).
         max_cache_size, full_determinism: verl's arguments to its own balancer; accepted and unused.
@@ -103,11 +108,11 @@ class DASRouter:
         unknown = set(cfg) - set(_DEFAULTS)
         if unknown:
             raise ValueError(f"DASRouter: unknown config keys {sorted(unknown)}; expected {sorted(_DEFAULTS)}")
-        for key in ("window", "evict_after"):
+        for key in ("window", "evict_after"):  # (max_tokens below)
             if isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1:
                 raise ValueError(f"DASRouter: {key} must be an int >= 1, got {cfg[key]!r}")
-        if not float(cfg["default_length"]) > 0:
-            raise ValueError(f"DASRouter: default_length must be > 0 tokens, got {cfg['default_length']!r}")
+        if isinstance(cfg["max_tokens"], bool) or not isinstance(cfg["max_tokens"], int) or cfg["max_tokens"] < 1:
+            raise ValueError(f"DASRouter: max_tokens must be an int >= 1 (the rollout's response_length), got {cfg['max_tokens']!r}")
         self.config = cfg
         self.timeout_s = float(cfg["timeout_s"])
         self._store = store if store is not None else history_actor(cfg["history_name"], window=cfg["window"], keep_visits=cfg["keep_visits"])
@@ -122,8 +127,9 @@ class DASRouter:
         self._draining: set[str] = set()
         self._locks: dict[str, asyncio.Lock] = {}
         self._generated_on: dict[Hashable, str] = {}  # problem -> the server that last generated it
-        self._predicted: dict[Hashable, float] = {}  # problem -> predicted output length (tokens)
-        self._pred_sum = 0.0
+        self.predictor = LengthPredictor(int(cfg["max_tokens"]), window=cfg["window"])  # fed by the shared history and every published rollout
+        self._fed: set[Hashable] = set()  # problems whose stored lengths the predictor has read
+        self._predicted: dict[Hashable, tuple[float, int]] = {}  # problem -> (predicted length, Long requests) of one request
         self.iteration = 0
         self.version = 0
         self.placements: list[dict[Hashable, str]] = [{}]  # per iteration: problem -> server
@@ -154,7 +160,7 @@ class DASRouter:
         if not self._servers:
             raise RuntimeError("DASRouter: no rollout servers registered")
         pid = request_problem(sampling_params, prompt_ids)
-        length = await self._predict(pid)
+        length, _ = await self._predict(pid)
         if self._assigned.get(pid) not in self._servers:  # new this iteration (or its server was removed)
             sid = self._place(pid)
             self._assigned[pid] = sid
@@ -226,8 +232,9 @@ class DASRouter:
             return False
         async with self._lock(sid):
             await asyncio.to_thread(self._clients[sid].after_generate, [(problem_id, list(prompt_ids), list(output_ids), version)])
-        if problem_id in self._predicted:  # its next prediction reads the new lengths
-            self._pred_sum -= self._predicted.pop(problem_id)
+        self.predictor.observe(problem_id, version, [min(len(output_ids), self.predictor.max_tokens)])
+        self._fed.add(problem_id)
+        self._predicted.pop(problem_id, None)  # its next prediction reads the new length
         self.counters["published"] += 1
         return True
 
@@ -241,30 +248,33 @@ class DASRouter:
 
     # -- internals
     def _place(self, pid: Hashable) -> str:
-        """The server with the least predicted outstanding work (ties: fewer in-flight, then server order)."""
-        order = {sid: i for i, sid in enumerate(self._servers)}
-        return min(self._servers, key=lambda s: (self._work[s], self._inflight[s], order[s]))
+        """The server for a problem new to the iteration: :func:`scheduler.placement.assign_groups` ``lpt``
+        of its predicted work on top of the servers' predicted outstanding work (ties: fewer predicted
+        Long requests, then server order)."""
+        sids = list(self._servers)
+        work, n_long = self._predicted[pid]
+        return sids[int(assign_groups([work], len(sids), "lpt", n_long=[n_long], loads=[self._work[s] for s in sids])[0])]
 
-    async def _predict(self, pid: Hashable) -> float:
+    async def _predict(self, pid: Hashable) -> tuple[float, int]:
+        """``(predicted length in tokens, predicted Long requests)`` of one request of ``pid``
+        (:func:`scheduler.placement.predicted_group_work` of a group of one)."""
         if pid in self._predicted:
             return self._predicted[pid]
-        rows = []
-        try:
-            rows = (await asyncio.to_thread(_call, self._store, "lengths", [pid], timeout=self.timeout_s)).get(pid, [])
-        except Exception as exc:  # noqa: BLE001
-            self.counters["predict_errors"] += 1
-            logger.warning("DASRouter: lengths of %r unavailable (%s: %s)", pid, type(exc).__name__, exc)
-        if rows:
-            last = max(v for v, _ in rows)
-            recent = [n for v, n in rows if v == last]
-            value = sum(recent) / len(recent)
-        elif self._predicted:
-            value = self._pred_sum / len(self._predicted)
-        else:
-            value = float(self.config["default_length"])
+        if pid not in self._fed:  # first sight: its past lengths from the shared history
+            self._fed.add(pid)
+            try:
+                rows = (await asyncio.to_thread(_call, self._store, "lengths", [pid], timeout=self.timeout_s)).get(pid, [])
+                by_version: dict[int, list[int]] = {}
+                for version, length in rows:
+                    by_version.setdefault(int(version), []).append(min(int(length), self.predictor.max_tokens))
+                for version, lengths in sorted(by_version.items()):
+                    self.predictor.observe(pid, version, lengths)
+            except Exception as exc:  # noqa: BLE001
+                self.counters["predict_errors"] += 1
+                logger.warning("DASRouter: lengths of %r unavailable (%s: %s)", pid, type(exc).__name__, exc)
         if pid not in self._predicted:  # (another request of pid may have predicted it meanwhile)
-            self._predicted[pid] = float(value)
-            self._pred_sum += float(value)
+            work, n_long = predicted_group_work(self.predictor, [pid], 1)
+            self._predicted[pid] = (float(work[0]), int(n_long[0]))
         return self._predicted[pid]
 
     async def _synced_on(self, sid: str, pid: Hashable, prompt_ids: Sequence[int] | None) -> None:
