@@ -46,3 +46,36 @@ def test_verl_server_drafts_and_advances_one_policy_version_per_weight_sync(verl
     for b in batches[1:]:  # drafts accepted after each sync, from the rollouts of earlier versions
         assert b["drafts"] > 0 and b["proposer"]["drafts"] > 0
         assert 1 + b["accepted_tokens"] / b["drafts"] > 1.3, b
+
+
+@pytest.mark.engine
+def test_verl_two_replicas_keep_groups_together_and_a_moved_problem_drafts_from_its_history(verl_python, smollm2_model, tmp_path, framework_check):
+    """verl's servers behind DASRouter: iteration 1 places each GRPO group on one replica; iteration 2 moves
+    every problem to the other replica (forced placement), whose drafter pulls the problem's iteration-1
+    rollouts from the shared history before its first draft and accepts drafts on them (one sample per
+    problem: no siblings to draft from)."""
+    seen = framework_check(verl_python, "verl_check.py", ["replicas", smollm2_model], tmp_path / "replicas.json", timeout=1500)
+    first, second = seen["iterations"]
+    servers = seen["servers"]
+    assert len(servers) == 2 and seen["cpus"][0] != seen["cpus"][1]  # one core each
+    assert (first["rows"], second["rows"]) == (12, 3)  # 3 problems x 4 samples, then x 1
+    # iteration 1: each problem's 4 samples on one replica, and both replicas used
+    assert all(len(by_server) == 1 and sum(by_server.values()) == 4 for by_server in first["routed"].values())
+    assert set(first["placement"].values()) == set(servers)
+    # iteration 2: every problem on the other replica
+    assert set(second["placement"]) == set(first["placement"])
+    assert all(second["placement"][p] != first["placement"][p] for p in first["placement"])
+    assert first["counters"]["published"] == 12 and second["counters"]["ingest_errors"] == 0
+    for b in servers:
+        moved_in = [p for p, s in second["placement"].items() if s == b]
+        before, after = first["servers"][b], second["servers"][b]
+        assert before["history"]["pulled"] == 0  # nothing to pull in iteration 1
+        assert after["history"]["pulled"] == 4 * len(moved_in) and after["history"]["store_errors"] == 0  # the iteration-1 rollouts, from A
+        grown = after["proposer"]["drafter_sequences"] - before["proposer"]["drafter_sequences"]
+        assert grown >= after["history"]["pulled"]  # B's drafter stored them
+        assert after["proposer"]["drafter_problems"] == 3
+        assert after["proposer"]["failures"] == 0 and after["proposer"]["bad_requests"] == 0
+    # vLLM's counters during iteration 2 (every problem there is a moved one, one sample each): drafts accepted
+    drafts = sum(second["servers"][b]["drafts"] for b in servers)
+    accepted = sum(second["servers"][b]["accepted_tokens"] for b in servers)
+    assert drafts > 0 and 1 + accepted / drafts > 1.3, second

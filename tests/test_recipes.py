@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib
 import json
 import sys
 import types
@@ -206,7 +207,7 @@ def test_verl_agent_loop_adapter_with_a_stand_in_verl(monkeypatch):
     entry = load_yaml(RECIPES_DIR / "verl" / "das_agent_loops.yaml")[0]
     assert entry["name"] == "das_single_turn_agent"
     module, _, fn = entry["_target_"].rpartition(".")
-    target = getattr(sys.modules[module], fn)
+    target = getattr(importlib.import_module(module), fn)
     loop = target(trainer_config=None, server_manager=None, tokenizer=None)  # what hydra.utils.instantiate does
     assert isinstance(loop, SingleTurnAgentLoop)
     out = asyncio.run(loop.run({"temperature": 0.6}, raw_prompt=[], index=9, data_source="deepscaler"))

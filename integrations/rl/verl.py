@@ -351,7 +351,9 @@ def _extension_class() -> type:
         """verl's vLLM worker extension whose weight sync runs inside vLLM's in-place reload (CPU builds),
         with das's control verbs (:class:`~integrations.vllm_ext.worker_extension.DASWorkerExtension`:
         ``collective_rpc("das_snapshot", args=(path,))`` writes the proposer's counters to ``path`` as JSON,
-        for verl's ``vLLMHttpServer.collective_rpc``, which returns no values).
+        for verl's ``vLLMHttpServer.collective_rpc``, which returns no values), and the shared-history verbs
+        (``das_add_history``, ``das_evict_problems``, ...), which :class:`integrations.rl.verl_router.DASRouter`
+        calls by name.
 
         Named by ``engine_kwargs.vllm.worker_extension_cls`` (:func:`cpu_overrides`); verl's
         ``launch_server`` merges ``engine_kwargs`` over its own default extension. On a build with

@@ -14,6 +14,14 @@
     ``LLMServerClient`` and load balancer; verl's ``ServerAdapter.update_weights`` (``BucketedWeightSender``,
     shared memory) syncs the model's weights twice into the engine's ``update_weights_from_ipc``.
 
+``python tests/frameworks/verl_check.py replicas MODEL OUT.json``
+    two ``vLLMHttpServer`` replicas (one CPU core each) behind :class:`integrations.rl.verl_router.DASRouter`
+    (verl's ``load_balancer_cls`` plug-in), the shared history actor, and ``AgentLoopWorker`` running
+    ``das_single_turn_agent`` (which publishes each finished rollout). Iteration 1 generates GRPO groups;
+    iteration 2 (after ``clear_sticky_cache``, the trainer's phase switch) one sample per problem, with
+    the placement forced so that every problem moves to the other replica. Each replica's history
+    counters, proposer snapshot and spec-decode counters are recorded per iteration.
+
 Each writes what it saw as JSON; ``tests/test_framework_verl.py`` asserts on it. Run from the repository root.
 """
 
@@ -43,6 +51,13 @@ PROMPTS = [  # (data_source, index, question): two rows share a question, so onl
     ("das_test", 7, "Count from one to twenty in words, separated by commas."),
     ("das_test", 8, "List the days of the week, then list them again in reverse order."),
     ("other_source", 7, "Count from one to twenty in words, separated by commas."),
+]
+
+
+REPLICA_PROMPTS = [  # three problems whose rollouts repeat across samples (lists), so one sample drafts well from them
+    ("das_test", 1, "List the days of the week, then list them again in reverse order."),
+    ("das_test", 2, "List the months of the year, then list them again in reverse order."),
+    ("das_test", 3, "Name the planets of the solar system in order from the sun, then in reverse order."),
 ]
 
 
@@ -242,8 +257,102 @@ def server(model: str, n: int = 4, response_length: int = 96) -> dict:
     return report
 
 
+def _moving_router():
+    """:class:`DASRouter` with its placement forced: in iteration ``k`` problem ``i`` (of :data:`REPLICA_PROMPTS`) goes
+    to replica ``(i + k) % 2``, so every problem moves between the iterations (routing within a problem, the
+    history pulls and the publishing are DASRouter's own)."""
+    from integrations.rl.verl_router import DASRouter
+
+    order = [f"{s}/{i}" for s, i, _ in REPLICA_PROMPTS]
+
+    class MovingRouter(DASRouter):
+        def _place(self, pid):
+            sids = list(self._servers)
+            return sids[(order.index(pid) + self.iteration) % len(sids)]
+
+    return MovingRouter
+
+
+def replicas(model: str, n: int = 4, response_length: int = 64, temperature: float = 0.3) -> dict:
+    import ray
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.plugin.platform import get_platform
+    from verl.workers.rollout.llm_server import LLMServerClient
+    from verl.workers.rollout.replica import RolloutMode
+    from verl.workers.rollout.router import get_router_handle
+    from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer
+
+    from integrations.rl.history import history_actor
+    from integrations.vllm_ext.cpu_runtime import settings
+
+    config = compose(model, [
+        *das_verl.cpu_overrides(),
+        f"actor_rollout_ref.rollout.dtype={settings().dtype}",
+        "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+        f"actor_rollout_ref.rollout.n={n}",
+        f"actor_rollout_ref.rollout.temperature={temperature}",
+        "actor_rollout_ref.rollout.prompt_length=128",
+        f"actor_rollout_ref.rollout.response_length={response_length}",
+        f"actor_rollout_ref.rollout.max_model_len={128 + response_length}",
+        "actor_rollout_ref.rollout.max_num_seqs=16",
+        "actor_rollout_ref.rollout.max_num_batched_tokens=2048",
+        "actor_rollout_ref.rollout.engine_kwargs.vllm.speculative_config.num_speculative_tokens=8",
+    ])
+    rollout, model_cfg = config.actor_rollout_ref.rollout, config.actor_rollout_ref.model
+    cpus = sorted(os.sched_getaffinity(0))
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=256 * 2**20, log_to_driver=True)
+    report: dict = {"cpus": [str(cpus[r % len(cpus)]) for r in range(2)], "iterations": []}
+    try:
+        history_actor()  # the store the router and the history verbs share
+        t0 = time.time()
+        servers = {}
+        handles = []
+        for rank in range(2):
+            env = {**get_platform().rollout_env_vars(), "VLLM_CPU_OMP_THREADS_BIND": report["cpus"][rank], "VLLM_CPU_KVCACHE_SPACE": "1"}
+            srv = ray.remote(vLLMHttpServer).options(
+                name=f"vllm_server_{rank}_0", max_concurrency=1000,
+                runtime_env={"env_vars": {**{v: "1" for v in get_platform().ray_noset_envvars()}, **env}},
+            ).remote(config=rollout, model_config=model_cfg, rollout_mode=RolloutMode.HYBRID, workers=[], replica_rank=rank,
+                     node_rank=0, gpus_per_node=1, nnodes=1, cuda_visible_devices="")
+            handles.append(srv)
+        ray.get([h.launch_server.remote() for h in handles])
+        for srv in handles:
+            host, port = ray.get(srv.get_server_address.remote())
+            servers[f"{host}:{port}"] = srv
+        report["engine_start_s"] = round(time.time() - t0, 1)
+        report["servers"] = list(servers)
+        router = get_router_handle(servers=servers, load_balancer_cls=_moving_router())
+        worker = AgentLoopWorker(config, llm_client=LLMServerClient(config=config, load_balancer_handle=router))
+
+        def snapshot(srv) -> dict:
+            path = Path(os.environ.get("TMPDIR", "/tmp")) / f"das-verl-snapshot-{os.getpid()}.json"
+            ray.get(srv.collective_rpc.remote("das_snapshot", args=(str(path),)))
+            try:
+                return json.loads(path.read_text())
+            finally:
+                path.unlink()
+
+        for k, samples in enumerate((n, 1)):
+            if k:
+                ray.get(router.clear_sticky_cache.remote())
+            before, t = {a: _metrics(a) for a in servers}, time.time()
+            out = asyncio.run(worker.generate_sequences(grpo_batch(samples, REPLICA_PROMPTS)))
+            responses = [worker.tokenizer.decode(ids[mask.bool()]) for ids, mask in zip(out.batch["responses"], out.batch["response_mask"])]
+            stats = ray.get(router.das_stats.remote())
+            per_server = {}
+            for a, srv in servers.items():
+                after = _metrics(a)
+                per_server[a] = {**{m: after[m] - before[a][m] for m in after}, "proposer": snapshot(srv), "history": stats["history"][a]}
+            report["iterations"].append({"samples": samples, "rows": len(out), "seconds": round(time.time() - t, 1), "placement": stats["placements"][k],
+                                         "routed": stats["routed"][k], "counters": stats["counters"], "servers": per_server,
+                                         "responses": responses})
+    finally:
+        ray.shutdown()
+    return report
+
+
 if __name__ == "__main__":
     what, model_dir, out_path = sys.argv[1:4]
-    result = {"agent-loop": agent_loop, "server": server}[what](model_dir)
+    result = {"agent-loop": agent_loop, "server": server, "replicas": replicas}[what](model_dir)
     Path(out_path).write_text(json.dumps(result, indent=1, default=str))
     print(f"verl_check {what}: wrote {out_path}")
