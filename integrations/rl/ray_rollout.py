@@ -536,7 +536,11 @@ class RayRolloutDriver:
         placed by the predicted work the driver had (``max_tokens``; the measured lengths, so the
         methods compare on the same groups) beside this run's own.
         """
-        from scheduler.placement import ASSIGNMENTS, assign_groups, worker_loads
+        from scheduler.placement import ASSIGNMENTS, assign_groups
+
+        def worker_loads(values, assigned, engines: int) -> np.ndarray:  # summed per engine
+            return np.bincount(np.asarray(assigned, np.int64), weights=np.asarray(values, np.float64), minlength=engines)
+
 
         tokens = np.array([sum(len(t) for t in results[g.group_id]) for g in groups], np.float64)
         n = len(self.workers)
