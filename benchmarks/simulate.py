@@ -347,6 +347,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out["wall_s"] = time.perf_counter() - t_start
     print(f"wall {out['wall_s']:.1f} s")
     if args.json:
+        from integrations.results import provenance
+
+        out = {**provenance("python -m benchmarks.simulate", argv), **out}  # the code, date, CPU and command that made it
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1, default=float))
         print(f"json: {args.json}")
