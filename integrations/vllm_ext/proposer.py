@@ -90,16 +90,23 @@ def das_section(additional_config: dict[str, Any] | None) -> tuple[dict[str, Any
     return cfg.drafter_kwargs(), budget, cfg.step_log
 
 
-def _find_model_runner() -> Any | None:
-    """The model runner whose ``__init__`` is constructing us (vLLM builds the drafter there); its
-    ``requests`` and ``input_batch`` may not exist yet at that point, so they are read per step."""
-    frame = sys._getframe(2)
+def owner_on_stack(class_suffix: str, skip: int = 1) -> Any | None:
+    """The nearest ``self`` on the call stack, from ``skip`` frames above the caller's on, whose class, or a base of it, is named
+    ``...class_suffix`` (vLLM builds the proposer inside its model runner's ``__init__``, itself inside
+    the worker's ``init_device``), or None."""
+    frame = sys._getframe(skip + 1)
     while frame is not None:
         owner = frame.f_locals.get("self")
-        if owner is not None and any(c.__name__.endswith("ModelRunner") for c in type(owner).__mro__):
+        if owner is not None and any(c.__name__.endswith(class_suffix) for c in type(owner).__mro__):
             return owner
         frame = frame.f_back
     return None
+
+
+def _find_model_runner() -> Any | None:
+    """The model runner whose ``__init__`` is constructing us (vLLM builds the drafter there); its
+    ``requests`` and ``input_batch`` may not exist yet at that point, so they are read per step."""
+    return owner_on_stack("ModelRunner", skip=2)
 
 
 def drafting_rank(vllm_config: Any) -> bool:

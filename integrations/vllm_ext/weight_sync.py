@@ -150,15 +150,9 @@ def drafter_policy_version(llm: Any) -> int:
 
 def _find_worker() -> Any | None:
     """The vLLM worker on the call stack (the proposer is built inside its ``init_device``), or None."""
-    import sys
+    from integrations.vllm_ext.proposer import owner_on_stack
 
-    frame = sys._getframe(1)
-    while frame is not None:
-        owner = frame.f_locals.get("self")
-        if owner is not None and any(c.__name__.endswith("Worker") for c in type(owner).__mro__):
-            return owner
-        frame = frame.f_back
-    return None
+    return owner_on_stack("Worker", skip=1)
 
 
 _SYNC_AWARE: type | None = None
