@@ -107,7 +107,7 @@ def _model(args: argparse.Namespace) -> str:
 def run_method(method: str, model: str, prompts: list[list[int]], pids: list[str], args: argparse.Namespace,
                coupled: bool) -> tuple[dict[str, float], list[list[int]]]:
     """One engine for ``method``: ``--iterations`` batches of the prompts; its totals and every rollout's tokens."""
-    from integrations.vllm_ext.engine import make_llm, release_engine_state
+    from integrations.vllm_ext.engine import close_llm, make_llm, release_engine_state
     from integrations.vllm_ext.rollouts import generate_rollouts
 
     llm = make_llm(model, method=method, num_speculative_tokens=args.num_spec_tokens, dtype=args.dtype,
@@ -124,6 +124,7 @@ def run_method(method: str, model: str, prompts: list[list[int]], pids: list[str
             totals["accepted_tokens"] += batch.accepted_tokens
             outputs += [list(r.output_ids) for r in batch.rollouts]
     finally:
+        close_llm(llm)
         del llm
         release_engine_state()
     return totals, outputs

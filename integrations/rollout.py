@@ -376,8 +376,9 @@ class MethodRun:
         )
 
     def close(self) -> None:
-        from integrations.vllm_ext.engine import release_engine_state
+        from integrations.vllm_ext.engine import close_llm, release_engine_state
 
+        close_llm(self.llm)  # the engine core stops here even if a reference to the engine remains
         del self.llm  # the last reference, before the parallel state goes
         release_engine_state()
 

@@ -42,7 +42,7 @@ from integrations.rl.recipes import Recipe, load_recipe
 from integrations.rl.trainer import PolicyTrainer, group_advantages
 from integrations.rl.workload import Scorer, Workload, plan_workload
 from integrations.vllm_ext import cpu_runtime
-from integrations.vllm_ext.engine import release_engine_state
+from integrations.vllm_ext.engine import close_llm, release_engine_state
 from integrations.vllm_ext.rollouts import generate_rollouts
 
 __all__ = [
@@ -255,6 +255,7 @@ class PolicyRun:
             self.driver.shutdown()
             self.driver = None
         if getattr(self, "llm", None) is not None:
+            close_llm(self.llm)  # the engine core stops here even if a reference to the engine remains
             del self.llm  # the last reference, before the parallel state goes
             release_engine_state()
 

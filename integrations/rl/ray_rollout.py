@@ -196,6 +196,12 @@ class RolloutWorker:
 
         return sync_weights(self.llm, named).seconds
 
+    def close(self) -> None:
+        """Shut the engine core down (:func:`integrations.vllm_ext.engine.close_llm`), so it does not outlive this actor."""
+        from integrations.vllm_ext.engine import close_llm
+
+        close_llm(self.llm)
+
     def pid(self) -> int:
         import os
 
@@ -575,9 +581,17 @@ class RayRolloutDriver:
         ray.get(self.workers[i].begin_iteration.remote(policy_version), timeout=self.start_timeout_s)
 
     def shutdown(self) -> None:
-        """Kill every worker and the history actor (the Ray runtime stays up)."""
+        """Shut every worker's engine core down, then kill the workers and the history actor (the Ray runtime stays up)."""
         import ray
 
+        if hasattr(self._worker_cls, "close"):
+            for i, w in enumerate(self.workers):
+                if not self.alive[i]:
+                    continue
+                try:
+                    ray.get(w.close.remote(), timeout=self.start_timeout_s)
+                except Exception:  # noqa: BLE001 - a dead or stuck worker: the kill below still ends it
+                    pass
         for w in [*self.workers, *([self.history] if self.history is not None else [])]:
             try:
                 ray.kill(w)

@@ -125,13 +125,14 @@ def make_llm(
     if das_config:
         kwargs["additional_config"] = {"das": dict(das_config)}
     kwargs.update(llm_kwargs)
-    llm = LLM(**kwargs)
-    _count_spec_decoding(llm)
-    return llm
+    # The engine is not bound to a local of this frame: a frame kept alive below this one (an import
+    # during ``vllm_patches.apply()`` can keep its frames, and a kept frame holds its callers through
+    # ``f_back``) would otherwise keep the engine, and with it its engine core process, alive.
+    return _count_spec_decoding(LLM(**kwargs))
 
 
-def _count_spec_decoding(llm: Any) -> None:
-    """Keep this engine's own speculative-decoding counters (read by :func:`spec_counters`).
+def _count_spec_decoding(llm: Any) -> Any:
+    """Keep this engine's own speculative-decoding counters (read by :func:`spec_counters`); returns ``llm``.
 
     vLLM's Prometheus metrics are process-wide, and a second engine in the same process
     unregisters the first one's collectors, so ``llm.get_metrics()`` cannot tell engines apart
@@ -141,7 +142,7 @@ def _count_spec_decoding(llm: Any) -> None:
     counts = {"drafts": 0.0, "draft_tokens": 0.0, "accepted_tokens": 0.0}
     manager = getattr(getattr(llm, "llm_engine", None), "logger_manager", None)
     if manager is None:
-        return
+        return llm
     original = manager.record
 
     def record(*args: Any, **kwargs: Any):
@@ -155,6 +156,7 @@ def _count_spec_decoding(llm: Any) -> None:
 
     manager.record = record
     llm._das_spec_counts = counts
+    return llm
 
 
 def drop_unavailable(methods: list[str], prog: str) -> list[str]:
@@ -171,10 +173,30 @@ def drop_unavailable(methods: list[str], prog: str) -> list[str]:
     return methods
 
 
+def close_llm(llm: Any) -> None:
+    """Shut down the engine core of a ``vllm.LLM`` now, whatever else still references the engine.
+
+    An engine core in its own process (``VLLM_ENABLE_V1_MULTIPROCESSING=1``) is shut down by a
+    finalizer of vLLM's engine-core client, which runs only when the client is collected. A
+    reference left anywhere (a traceback, a stats logger, a caller's local) keeps that process and
+    its worker alive, and the interpreter's exit then waits on it. ``EngineCoreClient.shutdown``
+    stops the engine core and its workers (or, in-process, the engine core itself) and detaches
+    that finalizer; a second call does nothing. The engine is unusable afterwards: drop it and call
+    :func:`release_engine_state` before the next engine starts.
+
+    Args:
+        llm: a ``vllm.LLM`` (from :func:`make_llm`); an object without ``llm_engine.engine_core`` is left alone.
+    """
+    core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+    shutdown = getattr(core, "shutdown", None)
+    if callable(shutdown):
+        shutdown()
+
+
 def release_engine_state() -> None:
     """Free dropped engines and vLLM's process-wide parallel state, so the next engine starts clean.
 
-    Call it after deleting the last reference to the old ``LLM``: an engine collected only after
+    Call it after :func:`close_llm` and deleting the last reference to the old ``LLM``: an engine collected only after
     the next one started shuts down that one's parallel groups ("pipeline model parallel group is
     not initialized" at its first step).
     """
