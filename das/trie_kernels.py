@@ -890,7 +890,7 @@ def locus_continuations(mem, u, d):
     return toks, ws
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")  # inlined (numba IR): a walk's tuples unpack into its caller's locals, as fast as array arguments
 def greedy_walk(tree, u, d, limit, min_prob, prior, scratch, nscr, out, off, floor=0.0):
     """Greedy walk from locus ``(u, d)`` in ``tree`` (:func:`walk_views`; ``out``: ``(out_tok int32, out_prob float32)``):
     most-weighted child at nodes (probability
@@ -950,7 +950,7 @@ def greedy_walk(tree, u, d, limit, min_prob, prior, scratch, nscr, out, off, flo
     return k, score
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")  # inlined (numba IR): a walk's tuples unpack into its caller's locals, as fast as array arguments
 def _best_walk(tree, loci_u, loci_d, nloci, scratch, nscr, walk, out, floor=0.0):
     """Walk (``walk``: ``(max_tokens, min_prob, factor, min_match, prior)``, :func:`walk_settings`) from each locus
     (``loci_*[L]``: the context suffix of length ``L``; longest first) and
@@ -1044,7 +1044,7 @@ def _draft_sequence(tree, s, walk, out):
     return _draft_sequence_with_scratch(tree, s, walk, out, scr)
 
 
-@njit(cache=True)
+@njit(cache=True, inline="always")  # inlined (numba IR): a walk's tuples unpack into its caller's locals, as fast as array arguments
 def _draft_sequence_with_scratch(tree, s, walk, out, scr, floor=0.0):
     """:func:`_draft_sequence` with caller-provided scratch ``scr``: ``(loci_u, loci_d, scratch)``, ``loci_u``, ``loci_d``
     (int64) of ``>= max_depth + 1`` and ``scratch`` (int32) of ``>= max_depth + max_tokens + 1`` entries; ``floor`` as
