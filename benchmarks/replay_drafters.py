@@ -282,8 +282,8 @@ def _hindsight(mem, s, truth, k, out):
         for i in range(w):
             scratch[i] = pool[base + i]
         u = seqs[s, kernels.S_LOCI + L]
-        got, _ = kernels.greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, nodes[u, kernels.C_DEPTH], k, 0.0, 0.0,
-                                     scratch, w, tok, prob, 0)
+        got, _ = kernels.greedy_walk((nodes, weights, hash_table, meta, seqs, pool), u, nodes[u, kernels.C_DEPTH], k, 0.0, 0.0,
+                                     scratch, w, (tok, prob), 0)
         m = 0
         while m < got and m < truth.shape[0] and tok[m] == truth[m]:
             m += 1

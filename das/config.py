@@ -24,7 +24,7 @@ from typing import Any, Literal
 import annotated_types as at
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-__all__ = ["CHOOSERS", "DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "STEP_LOG_ENV", "das_config", "expected"]
+__all__ = ["CHOOSERS", "DASConfig", "DEFAULTS", "DRAFTER_KEYS", "BUDGET_KEYS", "SHOWN_KEYS", "STEP_LOG_ENV", "das_config", "drafter_settings", "expected"]
 
 
 class DASConfig(BaseModel):
@@ -105,6 +105,28 @@ BUDGET_KEYS = ("budget", "c_base", "c_tok")
 STEP_LOG_ENV = "DAS_STEP_LOG"  # the step log's path, read only where the engine is built (integrations.vllm_ext.engine)
 SHOWN_KEYS = ("window", "decay", "budget")  # the keys the shipped recipes and overlays spell out
 DEFAULTS = DASConfig()
+
+
+def drafter_settings(config: DASConfig | Mapping[str, Any] | None, overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The :class:`das.drafter.DASDrafter` settings: ``config``'s drafter keys (a :class:`DASConfig`, a mapping of
+    drafter keys, or None: the defaults), then ``overrides``; every one of :data:`DRAFTER_KEYS`, not yet range-checked.
+
+    Raises:
+        ValueError: ``config`` of another type, or a key that is not a drafter setting (the message names it).
+    """
+    if config is None:
+        given: dict[str, Any] = {}
+    elif isinstance(config, DASConfig):
+        given = config.drafter_kwargs()
+    elif isinstance(config, Mapping):
+        given = dict(config)
+    else:
+        raise ValueError(f"DASDrafter settings must be a DASConfig, a mapping or None, got {type(config).__name__}: {config!r}")
+    given.update(overrides)
+    unknown = sorted(str(k) for k in given if k not in DRAFTER_KEYS)
+    if unknown:
+        raise ValueError(f"unknown DASDrafter setting(s) {unknown}; expected some of {list(DRAFTER_KEYS)}")
+    return {k: given.get(k, getattr(DEFAULTS, k)) for k in DRAFTER_KEYS}
 
 
 def expected(key: str) -> str:

@@ -33,7 +33,8 @@ request tree (and the global tree), so drafting anchors on that sequence's suffi
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ from das import host, problem_store, step_threads
 from das import mix_kernels as mixing
 from das import trie_kernels as kernels
 from das.checks import I32, I64, as_tokens, batch_error, check_range, float_arg, int_arg, min_probs, row_vector, token_matrix
-from das.config import CHOOSERS, DEFAULTS
+from das.config import CHOOSERS, DASConfig, drafter_settings
 from das.draft import Draft, DraftBatch, empty_draft
 from das.global_tree import GlobalTree
 from das.mixer_state import MixerState
@@ -58,8 +59,10 @@ __all__ = ["DASDrafter", "DraftBatch", "problem_id"]
 class DASDrafter:
     """Per-problem windowed suffix-tree drafter (see the module docstring).
 
-    Args (defaults from :class:`das.config.DASConfig`, the one place they are written; its field
-    descriptions say why, and docs/benchmarks.md, "Evidence for the defaults", holds the replays that chose them):
+    Settings: ``DASDrafter(config, **settings)``, ``config`` a :class:`das.config.DASConfig` (its drafter keys), a mapping
+    of the keys below, or None, each keyword overriding it (:func:`das.config.drafter_settings`). Defaults from
+    :class:`~das.config.DASConfig`, the one place they are written; its field descriptions say why, and
+    docs/benchmarks.md, "Evidence for the defaults", holds the replays that chose them:
         window: int >= 1, policy versions kept per problem: after ``begin_iteration(v)`` only
             rollouts of versions ``>= v - window + 1`` remain (:mod:`das.problem_store`). Default 16.
         decay: float in (0, 1], weight of a rollout one policy version (or visit) older relative to
@@ -102,40 +105,36 @@ class DASDrafter:
             on when torch sees a GPU.
 
     Raises:
-        ValueError: an argument of the wrong type or out of range (the message names it).
+        ValueError: a setting of the wrong type or out of range, or an unknown one (the message names it).
     """
 
-    def __init__(self, window: int = DEFAULTS.window, decay: float = DEFAULTS.decay, max_depth: int = DEFAULTS.max_depth,
-                 max_spec_factor: float = DEFAULTS.max_spec_factor, min_token_prob: float = DEFAULTS.min_token_prob,
-                 max_problems: int = DEFAULTS.max_problems, use_request_tree: bool = DEFAULTS.use_request_tree, prior: float = DEFAULTS.prior,
-                 keep_visits: int = DEFAULTS.keep_visits, age_in_visits: bool = DEFAULTS.age_in_visits, chooser: str = DEFAULTS.chooser,
-                 global_rollouts: int = DEFAULTS.global_rollouts, global_depth: int = DEFAULTS.global_depth, mix_lr: float = DEFAULTS.mix_lr,
-                 draft_threads: int = DEFAULTS.draft_threads, defer_global: bool | None = DEFAULTS.defer_global):
-        self.window = int_arg(window, "window", 1)
-        self.decay = float_arg(decay, "decay", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
-        self.max_depth = int_arg(max_depth, "max_depth", 2, 10_000)
-        self.max_spec_factor = float_arg(max_spec_factor, "max_spec_factor", "a finite number > 0", lambda x: 0.0 < x < math.inf)
-        self.min_token_prob = float_arg(min_token_prob, "min_token_prob", "a number in [0, 1]", lambda x: 0.0 <= x <= 1.0)
-        self.max_problems = int_arg(max_problems, "max_problems", 1)
-        if not isinstance(use_request_tree, (bool, np.bool_)):
-            raise ValueError(f"use_request_tree must be a bool, got {use_request_tree!r}")
-        self.use_request_tree = bool(use_request_tree)
-        self.prior = float_arg(prior, "prior", "a finite number >= 0", lambda x: 0.0 <= x < math.inf)
-        self.keep_visits = int_arg(keep_visits, "keep_visits", 0)
-        if not isinstance(age_in_visits, (bool, np.bool_)):
-            raise ValueError(f"age_in_visits must be a bool, got {age_in_visits!r}")
-        self.age_in_visits = bool(age_in_visits)
-        if chooser not in CHOOSERS:
-            raise ValueError(f"chooser must be one of {', '.join(CHOOSERS)}, got {chooser!r}")
-        self.chooser = chooser
-        self.global_rollouts = int_arg(global_rollouts, "global_rollouts", 0)
-        self.global_depth = int_arg(global_depth, "global_depth", 2, 10_000)
-        self.mix_lr = float_arg(mix_lr, "mix_lr", "a finite number > 0", lambda x: 0.0 < x < math.inf)
-        self.draft_threads = int_arg(draft_threads, "draft_threads", 0)
+    def __init__(self, config: DASConfig | Mapping[str, Any] | None = None, /, **settings: Any):
+        s = drafter_settings(config, settings)
+        self.window = int_arg(s["window"], "window", 1)
+        self.decay = float_arg(s["decay"], "decay", "a number in (0, 1]", lambda x: 0.0 < x <= 1.0)
+        self.max_depth = int_arg(s["max_depth"], "max_depth", 2, 10_000)
+        self.max_spec_factor = float_arg(s["max_spec_factor"], "max_spec_factor", "a finite number > 0", lambda x: 0.0 < x < math.inf)
+        self.min_token_prob = float_arg(s["min_token_prob"], "min_token_prob", "a number in [0, 1]", lambda x: 0.0 <= x <= 1.0)
+        self.max_problems = int_arg(s["max_problems"], "max_problems", 1)
+        if not isinstance(s["use_request_tree"], (bool, np.bool_)):
+            raise ValueError(f"use_request_tree must be a bool, got {s['use_request_tree']!r}")
+        self.use_request_tree = bool(s["use_request_tree"])
+        self.prior = float_arg(s["prior"], "prior", "a finite number >= 0", lambda x: 0.0 <= x < math.inf)
+        self.keep_visits = int_arg(s["keep_visits"], "keep_visits", 0)
+        if not isinstance(s["age_in_visits"], (bool, np.bool_)):
+            raise ValueError(f"age_in_visits must be a bool, got {s['age_in_visits']!r}")
+        self.age_in_visits = bool(s["age_in_visits"])
+        if s["chooser"] not in CHOOSERS:
+            raise ValueError(f"chooser must be one of {', '.join(CHOOSERS)}, got {s['chooser']!r}")
+        self.chooser = s["chooser"]
+        self.global_rollouts = int_arg(s["global_rollouts"], "global_rollouts", 0)
+        self.global_depth = int_arg(s["global_depth"], "global_depth", 2, 10_000)
+        self.mix_lr = float_arg(s["mix_lr"], "mix_lr", "a finite number > 0", lambda x: 0.0 < x < math.inf)
+        self.draft_threads = int_arg(s["draft_threads"], "draft_threads", 0)
         self._threads = self.draft_threads or host.default_draft_threads()
-        if defer_global is not None and not isinstance(defer_global, (bool, np.bool_)):
-            raise ValueError(f"defer_global must be a bool or None, got {defer_global!r}")
-        self.defer_global = bool(defer_global) and self.chooser == "mix" and bool(self.global_rollouts)
+        if s["defer_global"] is not None and not isinstance(s["defer_global"], (bool, np.bool_)):
+            raise ValueError(f"defer_global must be a bool or None, got {s['defer_global']!r}")
+        self.defer_global = bool(s["defer_global"]) and self.chooser == "mix" and bool(self.global_rollouts)
         self.parallel_calls = 0  # batch calls (appending or drafting) run on several threads
         self._out_tokens = 0  # output tokens of the rollouts finished so far (stop_request, add_rollout)
         self._out_count = 0
@@ -569,12 +568,12 @@ class DASDrafter:
             self._mix_drafts(handles, budgets, kmax, mp, DraftBatch(tokens, probs, lengths), parts)
         elif rows:
             args = (self._trees.bufs, table.tree_refs, self._trees.prior, self.prior, handles, budgets, mp, self.max_spec_factor,
-                    self.max_depth, tokens, probs, lengths)
+                    self.max_depth)
             parts = step_threads.threads_for(rows, self._threads)  # rows write only their own output row: any handles
             if parts > 1:
-                self._on_threads(parts, kernels.draft_batch_parallel, *args, parts)
+                self._on_threads(parts, kernels.draft_batch_parallel, *args, (tokens, probs, lengths), parts)
             else:
-                kernels.draft_batch(*args)
+                kernels.draft_batch(*args, tokens, probs, lengths)
         if self._global is not None:
             self._global.start()
         return DraftBatch(tokens, probs, lengths)

@@ -60,7 +60,7 @@ for all rows of an engine step :func:`check_batch`, :func:`add_batch`
 learning, in :func:`das.step_threads.insert_batch_parallel`)
 and :func:`draft_batch` (:func:`draft_batch_parallel` on several threads). Python side:
 :func:`buffer_layout`, :func:`new_buffer` and :func:`buffer_views`. Other numba code may build on
-:func:`borrowed_views`, :func:`greedy_walk` and :func:`prefetch`.
+:func:`borrowed_views`, :func:`walk_views`, :func:`greedy_walk` and :func:`prefetch`.
 """
 
 from __future__ import annotations
@@ -319,6 +319,21 @@ def borrowed_views(mem):
 
 
 # ----------------------------------------------------------------------------- hash table
+
+
+@njit(cache=True, inline="always")
+def walk_views(mem):
+    """The views a walk reads, as one tuple: ``(nodes, weights, hash_table, meta, seqs, pool)`` (:func:`borrowed_views`' order
+    differs: meta first). The walk kernels take it whole and unpack it once at their top (free in numba)."""
+    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
+    return nodes, weights, hash_table, meta, seqs, pool
+
+
+@njit(cache=True, inline="always")
+def walk_settings(max_tokens, min_prob, factor, min_match, prior):
+    """A walk's settings as one tuple ``(max_tokens int, min_prob float, factor float, min_match int, prior float)``, its
+    types fixed here (int64 / float64) so every caller compiles the kernels once."""
+    return np.int64(max_tokens), np.float64(min_prob), np.float64(factor), np.int64(min_match), np.float64(prior)
 
 
 @njit(cache=True, inline="always")
@@ -875,10 +890,10 @@ def locus_continuations(mem, u, d):
     return toks, ws
 
 
-@njit(cache=True)
-def greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, d, limit, min_prob, prior, scratch, nscr, out_tok, out_prob, off,
-                floor=0.0):
-    """Greedy walk from locus ``(u, d)``: most-weighted child at nodes (probability
+@njit(cache=True, inline="always")  # inlined (numba IR): a walk's tuples unpack into its caller's locals, as fast as array arguments
+def greedy_walk(tree, u, d, limit, min_prob, prior, scratch, nscr, out, off, floor=0.0):
+    """Greedy walk from locus ``(u, d)`` in ``tree`` (:func:`walk_views`; ``out``: ``(out_tok int32, out_prob float32)``):
+    most-weighted child at nodes (probability
     ``wc(child) / (sum of the children's wc + prior)``), the label inside edges (probability 1);
     re-anchors on the last ``max_depth - 1`` tokens (``scratch[:nscr]`` holds the context tail,
     the walk appends to it) when it reaches depth ``max_depth``. Writes ``out_*[off:off + k]``;
@@ -887,6 +902,8 @@ def greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, d, limit, min_p
     ``floor > 0``: the caller only wants a walk scoring above ``floor``; the walk gives up, and
     returns ``(0, 0.0)``, as soon as it cannot get there (path probabilities never increase, so
     ``score + prob * (limit - k)`` bounds its final score; 1e-9 relative margin for rounding)."""
+    nodes, weights, hash_table, meta, seqs, pool = tree  # unpacked once: the loop reads locals
+    out_tok, out_prob = out
     D = meta[M_MAX_DEPTH]
     prob = 1.0
     score = 0.0
@@ -933,10 +950,10 @@ def greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, d, limit, min_p
     return k, score
 
 
-@njit(cache=True)
-def _best_walk(nodes, weights, hash_table, meta, seqs, pool, loci_u, loci_d, nloci, scratch, nscr, max_tokens, min_prob, factor,
-               min_match, prior, out_tok, out_prob, floor=0.0):
-    """Walk from each locus (``loci_*[L]``: the context suffix of length ``L``; longest first) and
+@njit(cache=True, inline="always")  # inlined (numba IR): a walk's tuples unpack into its caller's locals, as fast as array arguments
+def _best_walk(tree, loci_u, loci_d, nloci, scratch, nscr, walk, out, floor=0.0):
+    """Walk (``walk``: ``(max_tokens, min_prob, factor, min_match, prior)``, :func:`walk_settings`) from each locus
+    (``loci_*[L]``: the context suffix of length ``L``; longest first) and
     keep the best score (ties: the longer match). Returns ``(offset, k, score, match_len)``.
 
     ``floor``: only walks scoring above it count (the caller has a draft that good already);
@@ -948,6 +965,8 @@ def _best_walk(nodes, weights, hash_table, meta, seqs, pool, loci_u, loci_d, nlo
     most ``limit * p1`` (``p1``: its first token's probability, computed from the locus exactly
     as :func:`greedy_walk` does; a 1e-9 relative margin covers the rounding of the score's sum), and
     a walk wins only with a score above the best so far."""
+    nodes, weights, hash_table, meta, seqs, pool = tree
+    max_tokens, min_prob, factor, min_match, prior = walk
     D = meta[M_MAX_DEPTH]
     best_off = 0
     cur = max_tokens
@@ -976,8 +995,7 @@ def _best_walk(nodes, weights, hash_table, meta, seqs, pool, loci_u, loci_d, nlo
             p1 = wb / wn if wb < wn else 1.0
             if p1 < min_prob or limit * p1 * (1.0 + 1e-9) <= best_score:
                 continue
-        k, score = greedy_walk(nodes, weights, hash_table, meta, seqs, pool, u, loci_d[L], limit, min_prob, prior, scratch, nscr,
-                               out_tok, out_prob, cur, best_score)
+        k, score = greedy_walk(tree, u, loci_d[L], limit, min_prob, prior, scratch, nscr, out, cur, best_score)
         if score > best_score:
             best_score = score
             best_k = k
@@ -1008,33 +1026,33 @@ def draft_context(mem, context, max_tokens, min_prob, factor, min_match, prior, 
     scratch = np.empty(w + max_tokens + 1, np.int32)
     for i in range(w):
         scratch[i] = context[n - w + i]
-    return _best_walk(nodes, weights, hash_table, meta, seqs, pool, loci_u, loci_d, m, scratch, w, max_tokens, min_prob, factor,
-                      min_match, prior, out_tok, out_prob)
+    return _best_walk((nodes, weights, hash_table, meta, seqs, pool), loci_u, loci_d, m, scratch, w,
+                      walk_settings(max_tokens, min_prob, factor, min_match, prior), (out_tok, out_prob))
 
 
 @njit(cache=True)
 def draft_sequence(mem, s, max_tokens, min_prob, factor, min_match, prior, out_tok, out_prob):
     """:func:`draft_context` for the context = sequence slot ``s``'s own tokens, anchored on its
     active loci (no matching needed). Returns ``(offset, k, score, match_len)``."""
-    meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem)
-    return _draft_sequence(nodes, weights, hash_table, meta, seqs, pool, s, max_tokens, min_prob, factor, min_match, prior, out_tok,
-                           out_prob)
+    return _draft_sequence(walk_views(mem), s, walk_settings(max_tokens, min_prob, factor, min_match, prior), (out_tok, out_prob))
 
 
 @njit(cache=True)
-def _draft_sequence(nodes, weights, hash_table, meta, seqs, pool, s, max_tokens, min_prob, factor, min_match, prior, out_tok, out_prob):
-    D = meta[M_MAX_DEPTH]
-    return _draft_sequence_with_scratch(nodes, weights, hash_table, meta, seqs, pool, s, max_tokens, min_prob, factor, min_match, prior,
-                                        out_tok, out_prob, np.empty(D + 1, np.int64), np.empty(D + 1, np.int64),
-                                        np.empty(D + max_tokens + 1, np.int32))
+def _draft_sequence(tree, s, walk, out):
+    D = tree[3][M_MAX_DEPTH]
+    scr = (np.empty(D + 1, np.int64), np.empty(D + 1, np.int64), np.empty(D + walk[0] + 1, np.int32))
+    return _draft_sequence_with_scratch(tree, s, walk, out, scr)
 
 
-@njit(cache=True)
-def _draft_sequence_with_scratch(nodes, weights, hash_table, meta, seqs, pool, s, max_tokens, min_prob, factor, min_match, prior,
-                                 out_tok, out_prob, loci_u, loci_d, scratch, floor=0.0):
-    """:func:`_draft_sequence` with caller-provided scratch: ``loci_u``, ``loci_d`` of
-    ``>= max_depth + 1`` and ``scratch`` of ``>= max_depth + max_tokens + 1`` entries; ``floor`` as
+@njit(cache=True, inline="always")  # inlined (numba IR): a walk's tuples unpack into its caller's locals, as fast as array arguments
+def _draft_sequence_with_scratch(tree, s, walk, out, scr, floor=0.0):
+    """:func:`_draft_sequence` with caller-provided scratch ``scr``: ``(loci_u, loci_d, scratch)``, ``loci_u``, ``loci_d``
+    (int64) of ``>= max_depth + 1`` and ``scratch`` (int32) of ``>= max_depth + max_tokens + 1`` entries; ``floor`` as
     :func:`_best_walk`."""
+    loci_u, loci_d, scratch = scr
+    meta = tree[3]
+    seqs = tree[4]
+    pool = tree[5]
     D = meta[M_MAX_DEPTH]
     n = seqs[s, S_LEN]
     w = min(n, D - 1)
@@ -1044,8 +1062,7 @@ def _draft_sequence_with_scratch(nodes, weights, hash_table, meta, seqs, pool, s
     base = seqs[s, S_BASE] + n - w
     for i in range(w):
         scratch[i] = pool[base + i]
-    return _best_walk(nodes, weights, hash_table, meta, seqs, pool, loci_u, loci_d, w, scratch, w, max_tokens, min_prob, factor,
-                      min_match, prior, out_tok, out_prob, floor)
+    return _best_walk(tree, loci_u, loci_d, w, scratch, w, walk, out, floor)
 
 
 # ----------------------------------------------------------------------------- two trees at once
@@ -1082,30 +1099,28 @@ def draft_two_trees(mem_a, s_a, prior_a, mem_b, s_b, prior_b, max_tokens, min_pr
     negative slot skips that tree); the higher score wins, ties go to ``a``. ``out_*`` need
     ``4 * max_tokens``. Returns ``(offset, k, score, match_len)``."""
     D = max(mem_a[M_MAX_DEPTH], mem_b[M_MAX_DEPTH])
-    return _draft_two_trees_with_scratch(mem_a, s_a, prior_a, mem_b, s_b, prior_b, max_tokens, min_prob, factor, out_tok,
-                                         out_prob, np.empty(D + 1, np.int64), np.empty(D + 1, np.int64),
-                                         np.empty(D + max_tokens + 1, np.int32))
+    scr = (np.empty(D + 1, np.int64), np.empty(D + 1, np.int64), np.empty(D + max_tokens + 1, np.int32))
+    return _draft_two_trees_with_scratch(mem_a, s_a, prior_a, mem_b, s_b, prior_b, (max_tokens, min_prob, factor), (out_tok, out_prob), scr)
 
 
 @njit(cache=True)
-def _draft_two_trees_with_scratch(mem_a, s_a, prior_a, mem_b, s_b, prior_b, max_tokens, min_prob, factor, out_tok,
-                                  out_prob, loci_u, loci_d, scratch):
-    """:func:`draft_two_trees` with caller-provided scratch (see :func:`_draft_sequence_with_scratch`).
+def _draft_two_trees_with_scratch(mem_a, s_a, prior_a, mem_b, s_b, prior_b, limits, out, scr):
+    """:func:`draft_two_trees` with ``limits`` = ``(max_tokens, min_prob, factor)``, ``out`` = ``(out_tok, out_prob)`` and
+    caller-provided scratch ``scr`` (see :func:`_draft_sequence_with_scratch`).
     Tree ``b`` drafts with tree ``a``'s score as its floor: only a better draft can win, so no other
     is looked for."""
+    max_tokens, min_prob, factor = limits
+    out_tok, out_prob = out
     off = 0
     k = 0
     score = 0.0
     mlen = 0
     if s_a >= 0:
-        meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem_a)
-        off, k, score, mlen = _draft_sequence_with_scratch(nodes, weights, hash_table, meta, seqs, pool, s_a, max_tokens, min_prob, factor,
-                                                           1, prior_a, out_tok, out_prob, loci_u, loci_d, scratch)
+        off, k, score, mlen = _draft_sequence_with_scratch(walk_views(mem_a), s_a, walk_settings(max_tokens, min_prob, factor, 1, prior_a),
+                                                           out, scr)
     if s_b >= 0:
-        meta, nodes, weights, hash_table, seqs, pool = borrowed_views(mem_b)
-        ob, kb, sb, mb = _draft_sequence_with_scratch(nodes, weights, hash_table, meta, seqs, pool, s_b, max_tokens, min_prob, factor, 1,
-                                                      prior_b, out_tok[2 * max_tokens :], out_prob[2 * max_tokens :], loci_u,
-                                                      loci_d, scratch, score)
+        ob, kb, sb, mb = _draft_sequence_with_scratch(walk_views(mem_b), s_b, walk_settings(max_tokens, min_prob, factor, 1, prior_b),
+                                                      (out_tok[2 * max_tokens :], out_prob[2 * max_tokens :]), scr, score)
         if kb > 0 and sb > score:
             return ob + 2 * max_tokens, kb, sb, mb
     return off, k, score, mlen
@@ -1249,31 +1264,29 @@ def draft_batch(trees, ri, tprior, req_prior, handles, budgets, min_probs, facto
     ``out_len[r]``. Row ``r``'s draft stops before its path probability falls below
     ``min_probs[r]`` (float64, one per row). ``max_depth``: the trees' (the largest, if they
     differ). One thread."""
-    _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob, out_len, 0, 1)
+    _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, (out_tok, out_prob, out_len), 0, 1)
 
 
 @njit(cache=True, parallel=True)
-def draft_batch_parallel(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob,
-                         out_len, parts):
-    """:func:`draft_batch` on ``parts`` threads (numba's ``prange``): part ``p`` drafts rows ``p, p +
-    parts, ...``, each part with its own scratch arrays. Rows only read the trees and write their
+def draft_batch_parallel(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, outs, parts):
+    """:func:`draft_batch` on ``parts`` threads (numba's ``prange``), ``outs`` = ``(out_tok, out_prob, out_len)``: part ``p``
+    drafts rows ``p, p + parts, ...``, each part with its own scratch arrays. Rows only read the trees and write their
     own output row, so the drafts are the same as on one thread."""
     for p in prange(parts):
-        _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob, out_len,
-                    p, parts)
+        _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, outs, p, parts)
 
 
 @njit(cache=True)
-def _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, out_tok, out_prob, out_len,
-                first, stride):
-    """:func:`draft_batch` for rows ``first, first + stride, ...``, with its own scratch arrays."""
+def _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, factor, max_depth, outs, first, stride):
+    """:func:`draft_batch` for rows ``first, first + stride, ...`` (``outs``: ``(out_tok, out_prob, out_len)``), with its
+    own scratch arrays."""
+    out_tok, out_prob, out_len = outs
     width = out_tok.shape[1]
     st = np.empty(4 * width + 4, np.int32)
     sp = np.empty(4 * width + 4, np.float32)
     D = max_depth
-    lu = np.empty(D + 1, np.int64)
-    ld = np.empty(D + 1, np.int64)
-    scr = np.empty(D + width + 1, np.int32)
+    scr = (np.empty(D + 1, np.int64), np.empty(D + 1, np.int64), np.empty(D + width + 1, np.int32))
+    out = (st, sp)
     for r in range(first, handles.shape[0], stride):
         m = budgets[r]
         k = 0
@@ -1296,8 +1309,7 @@ def _draft_rows(trees, ri, tprior, req_prior, handles, budgets, min_probs, facto
                 else:
                     mb = ma
                     sb = -1
-                off, k, score, mlen = _draft_two_trees_with_scratch(ma, sa, pa, mb, sb, req_prior, m, min_probs[r], factor, st,
-                                                                    sp, lu, ld, scr)
+                off, k, score, mlen = _draft_two_trees_with_scratch(ma, sa, pa, mb, sb, req_prior, (m, min_probs[r], factor), out, scr)
                 for j in range(k):
                     out_tok[r, j] = st[off + j]
                     out_prob[r, j] = sp[off + j]

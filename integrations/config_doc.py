@@ -111,7 +111,7 @@ The DAS drafter and speculation-budget settings have one schema, `das.config.DAS
 - `das-rollout`: `--window`, `--decay`, `--budget` (the others through the schema's defaults);
 - recipe YAML of the GRPO loop and the framework overlays: the `speculative.das` section
   (see `recipes/README.md`);
-- `das.DASDrafter(...)` keyword arguments (the drafter's settings only).
+- `das.DASDrafter(config, **settings)`: a `DASConfig` or a mapping of the drafter's settings, each keyword overriding it (the drafter's settings only).
 
 Settings are checked at engine start, and by the CLIs and recipes before any engine loads: an
 unknown key or a bad value raises `ValueError` naming the key, the value and what was expected,

@@ -321,6 +321,20 @@ def test_bad_constructor_arguments(kwargs, needle):
     assert needle in msg and repr(next(iter(kwargs.values()))) in msg
 
 
+def test_settings_from_a_config_or_mapping_with_keyword_overrides():
+    from das.config import DASConfig
+
+    d = _DASDrafter(DASConfig(window=3, decay=0.5, chooser="walk"), decay=0.8)
+    assert (d.window, d.decay, d.chooser, d.max_depth) == (3, 0.8, "walk", DASConfig().max_depth)
+    m = _DASDrafter({"window": 5}, prior=0.0)
+    assert (m.window, m.prior, m.chooser) == (5, 0.0, DASConfig().chooser)
+    for bad, needle in (({"windows": 3}, "windows"), ({"budget": "cost"}, "budget"), ([("window", 3)], "list")):
+        with pytest.raises(ValueError, match=needle):
+            _DASDrafter(bad)
+    with pytest.raises(ValueError, match="window must be >= 1, got 0"):
+        _DASDrafter({"window": 1}, window=0)
+
+
 def test_bad_call_arguments():
     d = DASDrafter()
     d.begin_iteration(3)
