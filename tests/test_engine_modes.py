@@ -124,7 +124,7 @@ def _main(model_dir: str, out: str) -> None:
     json.dumps(snaps)  # plain values
     r["snapshots"], r["snapshot_steps"] = len(snaps), snaps[0]["steps"]
 
-    r["coupled_enabled"] = cs.enable(llm)
+    r["coupled_enabled"] = control.enable_coupled_sampling(llm)
     keyed = [SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, extra_args={cs.KEY_ARG: cs.rollout_key(3, i)})
              for i in range(len(prompts))]
     runs = []
