@@ -61,6 +61,19 @@ REPLICA_PROMPTS = [  # three problems whose rollouts repeat across samples (list
 ]
 
 
+
+def server_snapshot(srv) -> dict:
+    """The das proposer counters of a verl ``vLLMHttpServer`` (its ``collective_rpc`` returns nothing:
+    ``das_snapshot`` writes them to a file)."""
+    import ray
+
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"das-verl-snapshot-{os.getpid()}.json"
+    ray.get(srv.collective_rpc.remote("das_snapshot", args=(str(path),)))
+    try:
+        return json.loads(path.read_text())
+    finally:
+        path.unlink()
+
 def compose(model: str, overrides: list[str]):
     """verl's trainer config from ``recipes/verl/das_grpo.yaml`` (which extends verl's ``ppo_trainer``)."""
     from hydra import compose as hydra_compose
@@ -226,12 +239,7 @@ def server(model: str, n: int = 4, response_length: int = 96) -> dict:
         trainer_model = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
 
         def snapshot() -> dict:
-            path = Path(os.environ.get("TMPDIR", "/tmp")) / f"das-verl-snapshot-{os.getpid()}.json"
-            ray.get(srv.collective_rpc.remote("das_snapshot", args=(str(path),)))
-            try:
-                return json.loads(path.read_text())
-            finally:
-                path.unlink()
+            return server_snapshot(srv)
 
         def rollout_batch(label: str) -> None:
             before, t = _metrics(address), time.time()
@@ -324,13 +332,7 @@ def replicas(model: str, n: int = 4, response_length: int = 64, temperature: flo
         router = get_router_handle(servers=servers, load_balancer_cls=_moving_router())
         worker = AgentLoopWorker(config, llm_client=LLMServerClient(config=config, load_balancer_handle=router))
 
-        def snapshot(srv) -> dict:
-            path = Path(os.environ.get("TMPDIR", "/tmp")) / f"das-verl-snapshot-{os.getpid()}.json"
-            ray.get(srv.collective_rpc.remote("das_snapshot", args=(str(path),)))
-            try:
-                return json.loads(path.read_text())
-            finally:
-                path.unlink()
+        snapshot = server_snapshot
 
         for k, samples in enumerate((n, 1)):
             if k:
